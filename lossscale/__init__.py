@@ -1,0 +1,37 @@
+"""lossscale: mixed-precision loss scaling for JAX, as optax transformations."""
+
+from importlib import metadata as _metadata
+
+from lossscale._access import get_loss_scale as get_loss_scale
+from lossscale._access import scale_loss as scale_loss
+from lossscale._access import value_and_grad as value_and_grad
+from lossscale._finite import all_finite as all_finite
+from lossscale._loss_scale import LossScaleState as LossScaleState
+from lossscale._loss_scale import dynamic_loss_scale as dynamic_loss_scale
+from lossscale._loss_scale import skip_nonfinite as skip_nonfinite
+from lossscale._loss_scale import static_loss_scale as static_loss_scale
+
+try:
+  __version__ = _metadata.version("lossscale")
+except _metadata.PackageNotFoundError:  # running from a source tree
+  __version__ = "0.0.0+unknown"
+
+__all__ = [
+  "LossScaleState",
+  "all_finite",
+  "dynamic_loss_scale",
+  "get_loss_scale",
+  "scale_loss",
+  "skip_nonfinite",
+  "static_loss_scale",
+  "value_and_grad",
+]
+
+
+def __getattr__(name):
+  # `lossscale.flax` needs the optional flax dependency: import it on use.
+  if name == "flax":
+    import importlib
+
+    return importlib.import_module("lossscale.flax")
+  raise AttributeError(f"module 'lossscale' has no attribute {name!r}")

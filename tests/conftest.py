@@ -1,0 +1,11 @@
+"""Test configuration: 8 fake CPU devices, strict dtype promotion."""
+
+import os
+
+# Before JAX initialises: multi-device tests run on 8 fake CPU devices.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
