@@ -144,7 +144,10 @@ def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
   def leaf(g):
     if not is_inexact(g):
       return g
-    dtype = jnp.promote_types(jnp.float32, g.dtype)
+    # The wider of float32 and the leaf's dtype (complex64/128 are already
+    # at least as wide); computed by hand, as strict promotion forbids
+    # `promote_types(float32, float16)`.
+    dtype = g.dtype if jnp.finfo(g.dtype).bits >= 32 else jnp.dtype(jnp.float32)
     return g.astype(dtype) * inv.astype(dtype)
 
   return jax.tree.map(leaf, grads)
