@@ -1,5 +1,6 @@
 # `make test` and `make demo` set up .venv themselves on a fresh machine.
 PYTHON ?= python3
+export NO_MKDOCS_2_WARNING := 1
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -13,8 +14,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(PY) -m ruff check lossscale tests benchmarks examples
-	$(PY) -m ruff format --check lossscale tests benchmarks examples
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
