@@ -10,18 +10,26 @@ import math
 import numbers
 from typing import Any
 
+import numpy as np
+
 _INT32_MAX = 2**31 - 1
 
 
 def _concrete_number(fn: str, name: str, value: Any) -> float:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+  """Accepts Python, NumPy and concrete JAX real scalars (not bools)."""
+  if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    return float(value)
+  dtype = getattr(value, "dtype", None)
+  if (
+    dtype is not None
+    and getattr(value, "shape", None) == ()
+    and (np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating))
+  ):
     try:
-      value = float(value)  # numpy / jax scalars
-    except Exception:
-      raise TypeError(
-        f"`{fn}({name}=...)` must be a real number, got {value!r} instead."
-      ) from None
-  return float(value)
+      return float(value)
+    except Exception:  # a tracer: configuration must be concrete
+      pass
+  raise ValueError(f"`{fn}({name}=...)` must be a real number, got {value!r} instead.")
 
 
 def positive_finite(fn: str, name: str, value: Any) -> float:
@@ -65,8 +73,6 @@ def positive_int(fn: str, name: str, value: Any) -> int:
 
 def float32_representable(fn: str, name: str, value: float) -> float:
   """Checks that `value` survives a cast to float32 as a positive finite."""
-  import numpy as np
-
   with np.errstate(over="ignore", under="ignore"):
     v32 = float(np.float32(value))
   if not (math.isfinite(v32) and v32 > 0.0):

@@ -571,9 +571,20 @@ def test_invalid_static_scale(scale):
     ls.static_loss_scale(optax.sgd(0.1), scale)
 
 
-def test_non_numeric_setting_is_rejected():
-  with pytest.raises(TypeError, match="initial_scale"):
-    ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale="big")
+@pytest.mark.parametrize("value", ["2.0", True, None, [1.0]])
+def test_non_numeric_setting_is_rejected(value):
+  with pytest.raises(ValueError, match=r"initial_scale=\.\.\.\)` must be a real"):
+    ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=value)
+
+
+def test_numpy_and_jax_scalars_are_accepted():
+  tx = ls.dynamic_loss_scale(
+    optax.sgd(0.1),
+    initial_scale=np.float32(4.0),
+    growth_interval=np.int64(3),
+    max_scale=jnp.float32(8.0),
+  )
+  assert float(tx.init(jnp.ones(1)).loss_scale) == 4.0
 
 
 def test_inner_must_be_a_gradient_transformation():
