@@ -24,7 +24,7 @@ import optax
 from lossscale import _axes
 from lossscale._finite import is_inexact
 
-_REDUCTIONS = {"mean": jax.lax.pmean, "sum": jax.lax.psum}
+_REDUCTIONS = ("mean", "sum")
 
 
 def cross_shard_mean(
@@ -32,19 +32,27 @@ def cross_shard_mean(
 ) -> optax.GradientTransformation:
   """All-reduces the updates over `axis_name`: the `CrossShardOptimizer` analogue.
 
-  Each call of `update` returns `jax.lax.pmean(updates, axis_name)` (with
-  `reduction="mean"`) or `jax.lax.psum(updates, axis_name)` (`"sum"`) of
-  every floating (or complex) leaf; integer, boolean and `float0` leaves carry
-  no gradient and pass through unchanged. The state is `optax.EmptyState`.
+  Each call of `update` returns the mean (`reduction="mean"`, as
+  `jax.lax.pmean`) or the sum (`"sum"`, `jax.lax.psum`) over the replicas of
+  every floating (or complex) leaf, in the leaf's own dtype; integer, boolean
+  and `float0` leaves carry no gradient and pass through unchanged. The state
+  is `optax.EmptyState`.
+
+  The mean divides *before* it sums, `psum(x / n)`, as TensorFlow's
+  `CrossShardOptimizer` did (it scaled the loss by `1 / num_shards`):
+  `jax.lax.pmean` sums first, so float16 gradients whose mean fits can still
+  overflow in the sum (8 replicas of 10000 exceed float16's 65504). Dividing
+  first, a float16 mean is inf only if an input is. The two orders agree to
+  rounding (exactly, when `n` is a power of two).
 
   Chain it *before* a loss-scaling wrapper, as TensorFlow's
   `CrossShardOptimizer(LossScaleOptimizer(...), reduction=MEAN)` did: the
   wrapper then sees identical gradients on every replica, and an inf or NaN on
   any replica propagates through the all-reduce, so all replicas skip the step
   and adjust the scale together with no extra collective (no `axis_name` on
-  the wrapper is needed). The reduction runs in the gradients' own dtype, like
-  `CrossShardOptimizer`; if a float16 sum overflows, the result is an inf, and
-  the wrapper after it skips the step and backs off the scale.
+  the wrapper is needed). If a float16 *sum* overflows, the result is an inf
+  on every replica, and the wrapper after it skips the step and backs off the
+  scale.
 
   Call `update` where `axis_name` is bound: inside `jax.pmap(...,
   axis_name=...)` or inside `jax.shard_map` over a `Mesh` with that axis.
@@ -100,7 +108,12 @@ def cross_shard_mean(
       " arrays gradients are already global: drop `cross_shard_mean` there."
     )
   axis_name = _axes.validate_axis_name(fn, axis_name)
-  collective = _REDUCTIONS[reduction]
+
+  def reduce(leaves):
+    if reduction == "mean":
+      n = jax.lax.axis_size(axis_name)
+      leaves = [x / n for x in leaves]  # before the sum: see the docstring
+    return jax.lax.psum(leaves, axis_name)
 
   def init_fn(params: Any) -> optax.EmptyState:
     del params
@@ -111,9 +124,7 @@ def cross_shard_mean(
     leaves, treedef = jax.tree.flatten(updates)
     picked = [x for x in leaves if is_inexact(x)]
     # One call for all leaves: XLA sees one all-reduce to combine or pipeline.
-    reduced = iter(
-      _axes.bound_collective(fn, axis_name, lambda: collective(picked, axis_name))
-    )
+    reduced = iter(_axes.bound_collective(fn, axis_name, lambda: reduce(picked)))
     leaves = [next(reduced) if is_inexact(x) else x for x in leaves]
     return jax.tree.unflatten(treedef, leaves), state
 

@@ -634,3 +634,43 @@ def test_data_parallel_page_examples_run_and_print_what_it_shows():
       assert out.getvalue().strip() == blocks[i + 1][1].strip(), f"block {i}"
       checked += 1
   assert checked >= 4
+
+
+def test_float16_mean_divides_before_it_sums():
+  # 8 replicas of 10000: the mean fits in float16, the sum (80000) does not.
+  g = jnp.full((N, 2), 10000.0, jnp.float16)
+  tx = optax.chain(
+    ls.cross_shard_mean("batch"), ls.static_loss_scale(optax.sgd(1.0), 1.0)
+  )
+  sum_tx = optax.chain(
+    ls.cross_shard_mean("batch", reduction="sum"),
+    ls.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0),
+  )
+
+  def run(tx):
+    params = jnp.zeros(2, jnp.float16)
+    step = lambda g: tx.update(g, tx.init(params), params)
+    return jax.pmap(step, axis_name="batch")(g)
+
+  updates, state = run(tx)
+  assert updates.dtype == jnp.float32  # the wrapper unscales in float32
+  np.testing.assert_array_equal(updates, np.full((N, 2), -10000.0))
+  np.testing.assert_array_equal(state[1].skipped_steps, np.zeros(N))
+  # jax.lax.pmean itself sums first and overflows:
+  pmean = jax.pmap(lambda g: jax.lax.pmean(g, "batch"), axis_name="batch")(g)
+  assert np.isinf(np.asarray(pmean, np.float32)).all()
+  # The float16 sum overflows on every replica: all skip and back off.
+  updates, state = run(sum_tx)
+  np.testing.assert_array_equal(updates, np.zeros((N, 2)))
+  np.testing.assert_array_equal(state[1].skipped_steps, np.ones(N))
+  np.testing.assert_array_equal(state[1].loss_scale, np.full(N, 2.0))
+  # The update keeps each leaf's dtype.
+  out = jax.pmap(
+    lambda g: ls.cross_shard_mean("batch").update(g, optax.EmptyState())[0],
+    axis_name="batch",
+  )({"h": g, "b": g.astype(jnp.bfloat16), "z": g.astype(jnp.complex64)})
+  assert {k: v.dtype for k, v in out.items()} == {
+    "h": jnp.float16,
+    "b": jnp.bfloat16,
+    "z": jnp.complex64,
+  }
