@@ -5,6 +5,7 @@ from importlib import metadata as _metadata
 from lossscale._access import get_loss_scale as get_loss_scale
 from lossscale._access import scale_loss as scale_loss
 from lossscale._access import value_and_grad as value_and_grad
+from lossscale._distributed import cross_shard_mean as cross_shard_mean
 from lossscale._finite import all_finite as all_finite
 from lossscale._loss_scale import LossScaleState as LossScaleState
 from lossscale._loss_scale import dynamic_loss_scale as dynamic_loss_scale
@@ -19,6 +20,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 __all__ = [
   "LossScaleState",
   "all_finite",
+  "cross_shard_mean",
   "dynamic_loss_scale",
   "get_loss_scale",
   "scale_loss",

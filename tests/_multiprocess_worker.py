@@ -1,0 +1,174 @@
+"""One process of the two-process test in test_distributed.py (not a test module).
+
+Run as `python _multiprocess_worker.py COORDINATOR PROCESS_ID OUT_JSON`: joins a
+2-process JAX job on loopback (2 CPU devices per process, gloo collectives),
+trains on a global 4-device mesh with `jax.shard_map`, with an inf injected
+into the data of process `BAD_PROCESS` only, and writes what it saw to
+OUT_JSON. The parent also imports `train` to compute a single-process
+reference on 4 of its own devices.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lossscale as ls
+
+STEPS = 8
+BAD_STEPS = (2, 5)  # steps at which process BAD_PROCESS's data holds an inf
+BAD_PROCESS = 1
+ROWS, FEATURES, OUTPUTS = 2, 4, 3  # per device
+
+
+def _loss(params, x, y):
+  return jnp.mean(jnp.square(x @ params["w"] + params["b"] - y))
+
+
+def _global_batch(step: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+  rng = np.random.default_rng(1000 + step)
+  x = rng.standard_normal((n * ROWS, FEATURES)).astype(np.float32)
+  y = rng.standard_normal((n * ROWS, OUTPUTS)).astype(np.float32)
+  return x, y
+
+
+def train(mesh: jax.sharding.Mesh, bad_positions: list[int]) -> dict:
+  """Two loops on `mesh` (axis "batch"); returns per-step scales and params.
+
+  `bad_positions` are the mesh positions whose rows get an inf at BAD_STEPS;
+  in the child processes these are the positions of BAD_PROCESS's devices
+  (only that process ever builds those rows).
+  """
+  n = mesh.devices.size
+  data_sharding = NamedSharding(mesh, P("batch"))
+
+  def batch(step):
+    x, y = _global_batch(step, n)
+    if step in BAD_STEPS:
+      for i in bad_positions:
+        x[i * ROWS, 0] = np.inf
+    # Each process materialises only its own devices' rows.
+    make = lambda a: jax.make_array_from_callback(
+      a.shape, data_sharding, lambda i: a[i]
+    )
+    return make(x), make(y)
+
+  def local(a):  # this process's copy of a replicated array
+    return np.asarray(a.addressable_data(0))
+
+  # Loop A: the data-parallel recipe; no axis name on the wrapper.
+  tx = optax.chain(
+    ls.cross_shard_mean("batch"),
+    ls.dynamic_loss_scale(optax.adamw(1e-2), initial_scale=2.0**8, growth_interval=2),
+  )
+
+  @jax.jit
+  @jax.shard_map(mesh=mesh, in_specs=(P(), P(), P("batch"), P("batch")), out_specs=P())
+  def step_a(params, opt_state, x, y):
+    def scaled_loss(p):
+      return ls.scale_loss(_loss(p, x, y), opt_state)
+
+    grads = jax.grad(scaled_loss)(jax.lax.pcast(params, "batch", to="varying"))
+    with jax.numpy_dtype_promotion("standard"):
+      updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = {
+    "w": jnp.full((FEATURES, OUTPUTS), 0.1, jnp.float32),
+    "b": jnp.zeros((OUTPUTS,), jnp.float32),
+  }
+  replicated = NamedSharding(mesh, P())
+  params = jax.device_put(params, replicated)
+  opt_state = jax.device_put(tx.init(params), replicated)
+  scales_a, skipped_a = [], []
+  for t in range(STEPS):
+    params, opt_state = step_a(params, opt_state, *batch(t))
+    scales_a.append(float(local(ls.get_loss_scale(opt_state))))
+    skipped_a.append(int(local(opt_state[1].skipped_steps)))
+
+  # Loop B: each device trains its own copy (no averaging); only the
+  # wrapper's `axis_name` keeps the skip decision in step.
+  tx_b = ls.dynamic_loss_scale(
+    optax.sgd(0.1), initial_scale=2.0**8, growth_interval=2, axis_name="batch"
+  )
+
+  @jax.jit
+  @jax.shard_map(
+    mesh=mesh,
+    in_specs=(P("batch"), P(), P("batch"), P("batch")),
+    out_specs=(P("batch"), P()),
+  )
+  def step_b(params, opt_state, x, y):
+    params = jax.tree.map(lambda a: a[0], params)
+    grads = jax.grad(lambda p: ls.scale_loss(_loss(p, x, y), opt_state))(params)
+    updates, opt_state = tx_b.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return jax.tree.map(lambda a: a[None], params), opt_state
+
+  stacked = jax.tree.map(
+    lambda a: jnp.broadcast_to(a, (n, *a.shape)), jax.tree.map(local, params)
+  )
+  params_b = jax.device_put(stacked, data_sharding)
+  state_b = jax.device_put(tx_b.init(jax.tree.map(lambda a: a[0], stacked)), replicated)
+  scales_b, skipped_b = [], []
+  for t in range(STEPS):
+    params_b, state_b = step_b(params_b, state_b, *batch(t))
+    scales_b.append(float(local(state_b.loss_scale)))
+    skipped_b.append(int(local(state_b.skipped_steps)))
+
+  # Mesh position -> that device's copy of loop B's params (local ones only).
+  position = {d: i for i, d in enumerate(mesh.devices.flat)}
+  params_b_local = {}
+  for name, a in params_b.items():
+    for shard in a.addressable_shards:
+      params_b_local.setdefault(str(position[shard.device]), {})[name] = np.asarray(
+        shard.data
+      )[0].tolist()
+  return {
+    "scales_a": scales_a,
+    "skipped_a": skipped_a,
+    "params_a": {k: local(v).tolist() for k, v in params.items()},
+    "params_a_hex": {k: local(v).tobytes().hex() for k, v in params.items()},
+    "scales_b": scales_b,
+    "skipped_b": skipped_b,
+    "params_b": params_b_local,
+  }
+
+
+def main(coordinator: str, process_id: int, out_path: str) -> None:
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", 2)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.config.update("jax_numpy_dtype_promotion", "strict")
+  jax.distributed.initialize(
+    coordinator_address=coordinator,
+    num_processes=2,
+    process_id=process_id,
+    initialization_timeout=120,
+  )
+  try:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
+    bad = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == BAD_PROCESS]
+    result = train(mesh, bad)
+    result.update(
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+      device_count=jax.device_count(),
+      local_device_count=jax.local_device_count(),
+      bad_positions=bad,
+    )
+    with open(out_path, "w") as f:
+      json.dump(result, f)
+  finally:
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
