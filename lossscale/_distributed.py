@@ -38,21 +38,19 @@ def cross_shard_mean(
   and `float0` leaves carry no gradient and pass through unchanged. The state
   is `optax.EmptyState`.
 
-  The mean divides *before* it sums, `psum(x / n)`, as TensorFlow's
-  `CrossShardOptimizer` did (it scaled the loss by `1 / num_shards`):
-  `jax.lax.pmean` sums first, so float16 gradients whose mean fits can still
-  overflow in the sum (8 replicas of 10000 exceed float16's 65504). Dividing
-  first, a float16 mean is inf only if an input is. The two orders agree to
-  rounding (exactly, when `n` is a power of two).
+  The mean is exactly `jax.lax.pmean` (a sum, then a division). Dividing
+  first would flush small float16 values to zero, the silent underflow loss
+  scaling exists to prevent; summing first can overflow a float16 sum whose
+  mean would fit, but that overflow is loud: every replica sees the inf, and
+  a loss-scaling wrapper chained after skips the step and backs off the scale
+  until the sum fits.
 
   Chain it *before* a loss-scaling wrapper, as TensorFlow's
   `CrossShardOptimizer(LossScaleOptimizer(...), reduction=MEAN)` did: the
   wrapper then sees identical gradients on every replica, and an inf or NaN on
   any replica propagates through the all-reduce, so all replicas skip the step
   and adjust the scale together with no extra collective (no `axis_name` on
-  the wrapper is needed). If a float16 *sum* overflows, the result is an inf
-  on every replica, and the wrapper after it skips the step and backs off the
-  scale.
+  the wrapper is needed).
 
   Call `update` where `axis_name` is bound: inside `jax.pmap(...,
   axis_name=...)` or inside `jax.shard_map` over a `Mesh` with that axis.
@@ -109,11 +107,10 @@ def cross_shard_mean(
     )
   axis_name = _axes.validate_axis_name(fn, axis_name)
 
+  collective = jax.lax.pmean if reduction == "mean" else jax.lax.psum
+
   def reduce(leaves):
-    if reduction == "mean":
-      n = jax.lax.axis_size(axis_name)
-      leaves = [x / n for x in leaves]  # before the sum: see the docstring
-    return jax.lax.psum(leaves, axis_name)
+    return collective(leaves, axis_name)
 
   def init_fn(params: Any) -> optax.EmptyState:
     del params

@@ -644,35 +644,34 @@ def test_data_parallel_page_examples_run_and_print_what_it_shows():
   assert checked >= 4
 
 
-def test_float16_mean_divides_before_it_sums():
-  # 8 replicas of 12288: the mean fits in float16, the sum (98304) does not
-  # (12288 / 8 and its partial sums are exact in float16).
+def test_float16_overflow_in_the_reduction_skips_on_every_replica():
+  # 8 replicas of 12288: the mean would fit in float16, the sum (98304) does
+  # not. The mean is jax.lax.pmean (sum first), so both reductions overflow
+  # loudly: every replica sees the inf, skips and backs off.
   g = jnp.full((N, 2), 12288.0, jnp.float16)
-  tx = optax.chain(
-    ls.cross_shard_mean("batch"), ls.static_loss_scale(optax.sgd(1.0), 1.0)
-  )
-  sum_tx = optax.chain(
-    ls.cross_shard_mean("batch", reduction="sum"),
-    ls.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0),
-  )
 
-  def run(tx):
+  def run(reduction):
+    tx = optax.chain(
+      ls.cross_shard_mean("batch", reduction=reduction),
+      ls.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0),
+    )
     params = jnp.zeros(2, jnp.float16)
     step = lambda g: tx.update(g, tx.init(params), params)
     return jax.pmap(step, axis_name="batch")(g)
 
-  updates, state = run(tx)
-  assert updates.dtype == jnp.float32  # the wrapper unscales in float32
-  np.testing.assert_array_equal(updates, np.full((N, 2), -12288.0))
-  np.testing.assert_array_equal(state[1].skipped_steps, np.zeros(N))
-  # jax.lax.pmean itself sums first and overflows:
-  pmean = jax.pmap(lambda g: jax.lax.pmean(g, "batch"), axis_name="batch")(g)
-  assert np.isinf(np.asarray(pmean, np.float32)).all()
-  # The float16 sum overflows on every replica: all skip and back off.
-  updates, state = run(sum_tx)
-  np.testing.assert_array_equal(updates, np.zeros((N, 2)))
-  np.testing.assert_array_equal(state[1].skipped_steps, np.ones(N))
-  np.testing.assert_array_equal(state[1].loss_scale, np.full(N, 2.0))
+  ref = jax.pmap(lambda g: jax.lax.pmean(g, "batch"), axis_name="batch")(g)
+  assert np.isinf(np.asarray(ref, np.float32)).all()
+  for reduction in ("mean", "sum"):
+    updates, state = run(reduction)
+    np.testing.assert_array_equal(updates, np.zeros((N, 2)))
+    np.testing.assert_array_equal(state[1].skipped_steps, np.ones(N))
+    np.testing.assert_array_equal(state[1].loss_scale, np.full(N, 2.0))
+  # Halving the gradients (what the backed-off scale does) makes the mean fit.
+  updates, state = jax.pmap(
+    lambda g: ls.cross_shard_mean("batch").update(g, optax.EmptyState()),
+    axis_name="batch",
+  )(g / 2)
+  np.testing.assert_array_equal(updates, np.full((N, 2), 6144.0))
   # The update keeps each leaf's dtype.
   out = jax.pmap(
     lambda g: ls.cross_shard_mean("batch").update(g, optax.EmptyState())[0],
