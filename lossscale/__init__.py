@@ -5,6 +5,9 @@ from importlib import metadata as _metadata
 from lossscale._access import get_loss_scale as get_loss_scale
 from lossscale._access import scale_loss as scale_loss
 from lossscale._access import value_and_grad as value_and_grad
+from lossscale._diagnostics import LossScaleStalledError as LossScaleStalledError
+from lossscale._diagnostics import check_not_stalled as check_not_stalled
+from lossscale._diagnostics import nonfinite_leaves as nonfinite_leaves
 from lossscale._finite import all_finite as all_finite
 from lossscale._loss_scale import LossScaleState as LossScaleState
 from lossscale._loss_scale import dynamic_loss_scale as dynamic_loss_scale
@@ -17,10 +20,13 @@ except _metadata.PackageNotFoundError:  # running from a source tree
   __version__ = "0.0.0+unknown"
 
 __all__ = [
+  "LossScaleStalledError",
   "LossScaleState",
   "all_finite",
+  "check_not_stalled",
   "dynamic_loss_scale",
   "get_loss_scale",
+  "nonfinite_leaves",
   "scale_loss",
   "skip_nonfinite",
   "static_loss_scale",
