@@ -137,17 +137,6 @@ def _next_counters(
   )
 
 
-def _unscaled_dtype(dtype: Any) -> Any:
-  """The wider of float32 and `dtype` (complex keeps its own dtype).
-
-  Decided by bit width rather than `jnp.promote_types`, which refuses to mix
-  float widths (or float and complex) under strict dtype promotion.
-  """
-  if jnp.issubdtype(dtype, jnp.complexfloating):
-    return dtype  # complex64 already has float32 parts
-  return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
-
-
 def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
   """`grads * (1 / loss_scale)` in the wider of float32 and each leaf's dtype."""
   inv = jnp.float32(1.0) / loss_scale
@@ -155,7 +144,10 @@ def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
   def leaf(g):
     if not is_inexact(g):
       return g
-    dtype = _unscaled_dtype(g.dtype)
+    # The wider of float32 and the leaf's dtype (complex64/128 are already
+    # at least as wide); computed by hand, as strict promotion forbids
+    # `promote_types(float32, float16)`.
+    dtype = g.dtype if jnp.finfo(g.dtype).bits >= 32 else jnp.dtype(jnp.float32)
     return g.astype(dtype) * inv.astype(dtype)
 
   return jax.tree.map(leaf, grads)
