@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale import _validation
 from lossscale._access import _unwrap, find_state
 from lossscale._finite import is_inexact
 
@@ -70,8 +71,9 @@ def check_not_stalled(
       Flax `TrainState` or an `nnx.Optimizer` (anything
       `lossscale.get_loss_scale` accepts). Concrete values, not tracers.
     max_consecutive_skips: how many skipped steps in a row are tolerated; a
-      positive int. The default, 100, is far above the 24 skips that back the
-      largest default scale (2**24) off to 1.0.
+      positive int (at most 2**31 - 1, where the counter saturates). The
+      default, 100, is far above the 24 skips that back the largest default
+      scale (2**24) off to 1.0.
     min_scale: the wrapper's `min_scale`, when it is not the default 1.0;
       only used to say in the message whether the scale is pinned at its
       floor.
@@ -101,15 +103,10 @@ def check_not_stalled(
     The last 3 optimizer steps were all skipped because th
   """
   fn = "check_not_stalled"
-  if (
-    isinstance(max_consecutive_skips, bool)
-    or not isinstance(max_consecutive_skips, (int, np.integer))
-    or max_consecutive_skips < 1
-  ):
-    raise ValueError(
-      f"`{fn}(max_consecutive_skips=...)` must be a positive int, got"
-      f" {max_consecutive_skips!r}."
-    )
+  # At most the int32 maximum, where the counter saturates.
+  max_consecutive_skips = _validation.positive_int(
+    fn, "max_consecutive_skips", max_consecutive_skips
+  )
   if min_scale is not None and not (
     isinstance(min_scale, (int, float, np.floating, np.integer))
     and not isinstance(min_scale, bool)
@@ -133,7 +130,8 @@ def check_not_stalled(
     where, scale, total = "", float(scales), int(skipped)
   else:
     members = np.argwhere(np.broadcast_to(stalled, consecutive.shape))
-    where = f" (batched state: members {[tuple(int(i) for i in m) for m in members]})"
+    stalled_members = [tuple(int(i) for i in m) for m in members]
+    where = f" (batched or replicated state: members {stalled_members})"
     scale = float(np.broadcast_to(scales, consecutive.shape)[stalled].min())
     total = int(np.broadcast_to(skipped, consecutive.shape)[stalled].max())
   floor = 1.0 if min_scale is None else float(np.float32(min_scale))

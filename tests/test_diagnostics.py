@@ -137,6 +137,23 @@ def test_vmapped_ensemble_names_the_stalled_members():
   ls.check_not_stalled(state, max_consecutive_skips=5)
 
 
+def test_pmap_replicated_state():
+  n = jax.local_device_count()
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=4.0, axis_name="batch")
+  params = {"w": jnp.zeros((n, 2), jnp.float32)}
+  state = jax.pmap(tx.init)(params)
+  # Only replica 0 overflows; with axis_name every replica skips.
+  grads = {"w": jnp.ones((n, 2), jnp.float32).at[0, 0].set(INF)}
+  update = jax.pmap(tx.update, axis_name="batch")
+  for _ in range(2):
+    _, state = update(grads, state, params)
+  np.testing.assert_array_equal(state.consecutive_skips, [2] * n)
+  ls.check_not_stalled(state, max_consecutive_skips=3)
+  pattern = r"last 2 .*members \[\(0,\), \(1,\)"
+  with pytest.raises(ls.LossScaleStalledError, match=pattern):
+    ls.check_not_stalled(state, max_consecutive_skips=2)
+
+
 def test_inside_jit_is_a_clear_type_error():
   tx = ls.skip_nonfinite(optax.sgd(0.1))
 
@@ -149,7 +166,7 @@ def test_inside_jit_is_a_clear_type_error():
     f(tx.init(_PARAMS))
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.5, True, None, "10"])
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, None, "10", 2**31])
 def test_bad_threshold(bad):
   state = ls.skip_nonfinite(optax.sgd(0.1)).init(_PARAMS)
   with pytest.raises(ValueError, match=r"check_not_stalled\(max_consecutive_skips"):
