@@ -5,6 +5,9 @@ from importlib import metadata as _metadata
 from lossscale._access import get_loss_scale as get_loss_scale
 from lossscale._access import scale_loss as scale_loss
 from lossscale._access import value_and_grad as value_and_grad
+from lossscale._diagnostics import LossScaleStalledError as LossScaleStalledError
+from lossscale._diagnostics import check_not_stalled as check_not_stalled
+from lossscale._diagnostics import nonfinite_leaves as nonfinite_leaves
 from lossscale._distributed import cross_shard_mean as cross_shard_mean
 from lossscale._finite import all_finite as all_finite
 from lossscale._loss_scale import LossScaleState as LossScaleState
@@ -18,11 +21,14 @@ except _metadata.PackageNotFoundError:  # running from a source tree
   __version__ = "0.0.0+unknown"
 
 __all__ = [
+  "LossScaleStalledError",
   "LossScaleState",
   "all_finite",
   "cross_shard_mean",
+  "check_not_stalled",
   "dynamic_loss_scale",
   "get_loss_scale",
+  "nonfinite_leaves",
   "scale_loss",
   "skip_nonfinite",
   "static_loss_scale",

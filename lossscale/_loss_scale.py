@@ -273,6 +273,20 @@ def dynamic_loss_scale(
   or NaN on any replica propagates through the all-reduce. Under SPMD
   `jax.jit` on sharded arrays no axis name is needed.
 
+  Gradient leaves: float16 and bfloat16 gradients are unscaled (and reach
+  `inner`) in float32, float32 and float64 in their own dtype; complex
+  gradients are unscaled in their own dtype and are non-finite when either
+  part is. Integer, boolean and `float0` leaves (the latter from
+  `jax.grad(..., allow_int=True)`) cannot hold inf or NaN: the finite check
+  ignores them and they reach `inner` as they are, not divided by the scale,
+  so mask them out of `inner` (`optax.masked`); like every update they are
+  zeros on a skipped step. `None` and `optax.MaskedNode` entries are empty
+  subtrees and pass through. When `params` is given to `update`, gradients
+  whose tree or shapes differ from it raise a `ValueError` before anything
+  is computed; without `params` the mismatch surfaces in `inner` or in
+  `optax.apply_updates`. A step that never stops overflowing is skipped
+  forever, never applied: see `lossscale.check_not_stalled`.
+
   Args:
     inner: the optimizer to wrap; any `optax.GradientTransformation`. Extra
       arguments of `update` (such as `value`, `grad`, `value_fn` for

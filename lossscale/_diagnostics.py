@@ -1,0 +1,208 @@
+"""Host-side diagnostics: failing loudly on stalled runs, finding inf and NaN.
+
+Both functions run in Python on concrete arrays, between jitted steps: they
+read a few scalars (or count non-finite elements) and never change the
+optimizer's compiled step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lossscale import _validation
+from lossscale._access import _unwrap, find_state
+from lossscale._finite import is_inexact
+
+# Well above the longest stretch of skips a healthy run shows: backing off
+# from the largest default scale (2**24) to the smallest (1.0) takes 24
+# consecutive skips with `hysteresis=1`, and a healthy run skips one step at
+# a time (rarely a few) after each growth.
+DEFAULT_MAX_CONSECUTIVE_SKIPS = 100
+
+
+class LossScaleStalledError(FloatingPointError):
+  """Raised by `lossscale.check_not_stalled` when every recent step was skipped.
+
+  A subclass of `FloatingPointError`, so `except FloatingPointError` in a
+  training loop catches it too.
+  """
+
+
+def _concrete(fn: str, name: str, x: Any) -> np.ndarray:
+  x = _unwrap(x)
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(
+      f"`{fn}` reads concrete values on the host, but got a traced {name}"
+      " (it was called inside `jax.jit`, `pmap`, `vmap` or `grad`). Call it"
+      " outside the jitted step, on the state the step returned."
+    )
+  return np.asarray(jax.device_get(x))
+
+
+def check_not_stalled(
+  x: Any,
+  *,
+  max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+  min_scale: float | None = None,
+) -> None:
+  """Raises `LossScaleStalledError` when too many steps in a row were skipped.
+
+  A loss-scaling wrapper never applies a non-finite update: when the
+  gradients stay non-finite it keeps skipping (and backing the scale off to
+  `min_scale`) instead of giving up, unlike `optax.apply_if_finite`. This
+  one-line check turns such a silent stall into a loud error. Call it on the
+  host after each step (or every few steps); it reads two scalars from the
+  state::
+
+      params, opt_state = train_step(params, opt_state, batch)
+      lossscale.check_not_stalled(opt_state)
+
+  The check passes while the state's `consecutive_skips` is below
+  `max_consecutive_skips`. For a state batched with `jax.vmap` (an ensemble)
+  it raises when any member has stalled; for a `pmap`-replicated state the
+  replicas agree and are checked together.
+
+  Args:
+    x: an optimizer state with a `LossScaleState` nested anywhere inside, a
+      Flax `TrainState` or an `nnx.Optimizer` (anything
+      `lossscale.get_loss_scale` accepts). Concrete values, not tracers.
+    max_consecutive_skips: how many skipped steps in a row are tolerated; a
+      positive int (at most 2**31 - 1, where the counter saturates). The
+      default, 100, is far above the 24 skips that back the largest default
+      scale (2**24) off to 1.0.
+    min_scale: the wrapper's `min_scale`, when it is not the default 1.0;
+      only used to say in the message whether the scale is pinned at its
+      floor.
+
+  Raises:
+    LossScaleStalledError: when `consecutive_skips >= max_consecutive_skips`.
+      The message gives the numbers (consecutive and total skips, the
+      current scale, whether it sits at `min_scale`) and the likely causes.
+    ValueError: for an invalid `max_consecutive_skips` or `min_scale`, or
+      when `x` does not hold exactly one `LossScaleState`.
+    TypeError: when called on traced values (inside `jax.jit`).
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import lossscale as ls
+    >>> tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=4.0)
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> nan_grads = {"w": jnp.array([jnp.nan, 1.0])}
+    >>> for _ in range(3):
+    ...   _, state = tx.update(nan_grads, state, params)
+    >>> ls.check_not_stalled(state, max_consecutive_skips=4)  # passes
+    >>> try:
+    ...   ls.check_not_stalled(state, max_consecutive_skips=3)
+    ... except ls.LossScaleStalledError as e:
+    ...   print(str(e)[:54])
+    The last 3 optimizer steps were all skipped because th
+  """
+  fn = "check_not_stalled"
+  # At most the int32 maximum, where the counter saturates.
+  max_consecutive_skips = _validation.positive_int(
+    fn, "max_consecutive_skips", max_consecutive_skips
+  )
+  if min_scale is not None and not (
+    isinstance(min_scale, (int, float, np.floating, np.integer))
+    and not isinstance(min_scale, bool)
+    and np.isfinite(min_scale)
+    and min_scale > 0
+  ):
+    raise ValueError(
+      f"`{fn}(min_scale=...)` must be a positive finite number or None, got"
+      f" {min_scale!r}."
+    )
+  state = find_state(x)
+  consecutive = _concrete(fn, "state", state.consecutive_skips)
+  worst = int(consecutive.max(initial=0))
+  if worst < max_consecutive_skips:
+    return
+
+  stalled = consecutive >= max_consecutive_skips
+  scales = _concrete(fn, "state", state.loss_scale).astype(np.float32)
+  skipped = _concrete(fn, "state", state.skipped_steps)
+  if consecutive.ndim == 0:
+    where, scale, total = "", float(scales), int(skipped)
+  else:
+    members = np.argwhere(np.broadcast_to(stalled, consecutive.shape))
+    stalled_members = [tuple(int(i) for i in m) for m in members]
+    where = f" (batched or replicated state: members {stalled_members})"
+    scale = float(np.broadcast_to(scales, consecutive.shape)[stalled].min())
+    total = int(np.broadcast_to(skipped, consecutive.shape)[stalled].max())
+  floor = 1.0 if min_scale is None else float(np.float32(min_scale))
+  at_floor = scale <= floor
+  if at_floor:
+    scale_note = (
+      f"The loss scale is {scale:g}, pinned at min_scale={floor:g}: backing off"
+      " no longer helps, so the gradients are non-finite even unscaled."
+    )
+  else:
+    floor_note = "" if min_scale is not None else " (assuming min_scale=1.0)"
+    scale_note = f"The loss scale is {scale:g}, above min_scale={floor:g}{floor_note}."
+  raise LossScaleStalledError(
+    f"The last {worst} optimizer steps were all skipped{where} because the"
+    f" gradients held inf or NaN ({total} skipped steps in total; limit"
+    f" max_consecutive_skips={max_consecutive_skips}). {scale_note} Likely"
+    " causes: NaN or inf already in the parameters or the optimizer state"
+    " (check with lossscale.nonfinite_leaves(params)); NaN or inf in the"
+    " input data or labels; a learning rate too high, so the model diverged;"
+    " a loss computed in float16 that overflows even at the minimum scale"
+    " (compute the loss and its reductions in float32). See the"
+    " Troubleshooting page of the lossscale docs."
+  )
+
+
+def nonfinite_leaves(tree: Any) -> dict[str, int]:
+  """Returns the leaves of `tree` holding inf or NaN, with their counts.
+
+  A debugging aid for the host, between steps: find out which parameters,
+  gradients or optimizer-state entries went bad. Only floating and complex
+  leaves can hold inf or NaN; integer, boolean and `float0` leaves are never
+  reported.
+
+  Args:
+    tree: a pytree of concrete arrays (parameters, gradients, an optimizer
+      state, a whole `TrainState`). Python floats count as leaves too.
+
+  Returns:
+    A dict, in tree order, from each offending leaf's path (as
+    `jax.tree_util.keystr` writes it; `""` for a bare array) to its number
+    of non-finite elements. Empty when everything is finite.
+
+  Raises:
+    TypeError: when called on traced values (inside `jax.jit`).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import lossscale as ls
+    >>> grads = {"dense": {"w": jnp.array([1.0, jnp.inf, jnp.nan]),
+    ...                    "b": jnp.zeros(2)},
+    ...          "step": jnp.array(3)}
+    >>> ls.nonfinite_leaves(grads)
+    {"['dense']['w']": 2}
+    >>> ls.nonfinite_leaves({"w": jnp.ones(3)})
+    {}
+  """
+  found = {}
+  for path, leaf in jax.tree.leaves_with_path(tree):
+    leaf = _unwrap(leaf)
+    if isinstance(leaf, jax.core.Tracer):
+      _concrete("nonfinite_leaves", "tree", leaf)
+    if isinstance(leaf, jax.Array):
+      if not is_inexact(leaf):
+        continue
+      # On the device: no host copy of a large parameter.
+      count = int(jnp.sum(jnp.logical_not(jnp.isfinite(leaf))))
+    else:
+      leaf = np.asarray(leaf)  # numpy arrays and Python scalars, as they are
+      if not is_inexact(leaf):
+        continue
+      count = int(np.sum(np.logical_not(np.isfinite(leaf))))
+    if count:
+      found[jax.tree_util.keystr(path)] = count
+  return found
