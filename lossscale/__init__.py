@@ -6,6 +6,7 @@ from lossscale._access import get_loss_scale as get_loss_scale
 from lossscale._access import scale_loss as scale_loss
 from lossscale._access import value_and_grad as value_and_grad
 from lossscale._finite import all_finite as all_finite
+from lossscale._fused import apply_gradients as apply_gradients
 from lossscale._loss_scale import LossScaleState as LossScaleState
 from lossscale._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from lossscale._loss_scale import skip_nonfinite as skip_nonfinite
@@ -19,6 +20,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree
 __all__ = [
   "LossScaleState",
   "all_finite",
+  "apply_gradients",
   "dynamic_loss_scale",
   "get_loss_scale",
   "scale_loss",
