@@ -157,6 +157,44 @@ def flax_dynamic_scale(adam):
   return init, step, True
 
 
+def lossscale_select_formulation(adam):
+  """The select-based skip this library used before `lax.cond` (evidence only).
+
+  Same decision and the same state machine (`_next_counters`); the inner
+  optimizer always runs (on zeros when skipping) and `jnp.where` picks the
+  updates and the inner state.
+  """
+  from lossscale import _loss_scale
+
+  rule = _loss_scale._Rule(
+    initial_scale=SCALE,
+    scaled=True,
+    dynamic=True,
+    growth_interval=2000,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    min_scale=1.0,
+    max_scale=2.0**24,
+  )
+
+  def init(params):
+    counters = _loss_scale._init_counters(rule)
+    return _loss_scale.LossScaleState(**counters, inner_state=adam.init(params))
+
+  def step(params, state, grads):
+    u = _loss_scale._unscale(grads, state.loss_scale)
+    finite = ls.all_finite(u)
+    safe = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), u)
+    updates, inner = adam.update(safe, state.inner_state, params)
+    updates = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), updates)
+    inner = optax.tree.where(finite, inner, state.inner_state)
+    counters = _loss_scale._next_counters(rule, state, finite)
+    new_state = _loss_scale.LossScaleState(**counters, inner_state=inner)
+    return optax.apply_updates(params, updates), new_state
+
+  return init, step, True
+
+
 VARIANTS = {
   "adamw (plain)": plain,
   "adamw + all_finite, no skip": plain_with_check,
@@ -165,6 +203,9 @@ VARIANTS = {
   "optax.apply_if_finite": optax_apply_if_finite,
   "jmp DynamicLossScale + select_tree": jmp_dynamic_loss_scale,
   "flax DynamicScale + where": flax_dynamic_scale,
+}
+EVIDENCE = {
+  "lossscale wrapper via jnp.where (old)": lossscale_select_formulation,
 }
 
 
@@ -186,6 +227,11 @@ def main(argv=None):
   ap.add_argument("--layers", type=int, default=12)
   ap.add_argument("--rounds", type=int, default=15)
   ap.add_argument("--only", default="", help="comma-separated variant names")
+  ap.add_argument(
+    "--evidence",
+    action="store_true",
+    help="also run the select-based wrapper formulation (why lax.cond)",
+  )
   ap.add_argument("--json", default=None, help="where to write the JSON")
   args = ap.parse_args(argv)
   if not 0 < args.params <= 5e9:
@@ -225,10 +271,12 @@ def main(argv=None):
   )
 
   adam = optax.adamw(1e-4)
-  names = [v for v in VARIANTS if not args.only or v in args.only.split(",")]
+  variants = {**VARIANTS, **(EVIDENCE if args.evidence else {})}
+  only = {"adamw (plain)", *args.only.split(",")} if args.only else set(variants)
+  names = [v for v in variants if v in only]
   runners, stats = {}, {}
   for name in names:
-    init, step, wants_scaled = VARIANTS[name](adam)
+    init, step, wants_scaled = variants[name](adam)
     jitted = jax.jit(step, donate_argnums=(0, 1))
     for case in ("finite", "overflow"):
       if name.startswith("adamw") and case == "overflow":
