@@ -279,6 +279,15 @@ def test_compiled_step_has_one_cond_and_no_param_sized_temporaries():
   # step writes parameters and moments in place.
   assert c_fused.memory_analysis().temp_size_in_bytes < p_bytes / 2
   assert c_comp.memory_analysis().temp_size_in_bytes >= p_bytes
+  # Neither copies a donated parameter or moment buffer (a select-based
+  # skip made XLA copy every moment to keep the old values alive).
+  for c in (c_fused, c_comp):
+    text = c.as_text()
+    entry = text[text.index("ENTRY") :].split("\n", 1)[0]
+    donated = re.findall(r"([\w.]+): f32\[256,256\]", entry)
+    assert len(donated) == 3 * len(params) + len(params)  # p, mu, nu; grads
+    copied = set(re.findall(r"copy\(%([\w.]+)\)", text))
+    assert not copied & set(donated)
 
 
 def _all_reduces(hlo):
