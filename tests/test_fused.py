@@ -328,3 +328,45 @@ def test_collectives_after_averaging_in_shard_map(axis_name, extra_scalar):
     n, scalar = count(fused)
     assert scalar - base_scalar == extra_scalar
     assert n - base_n == extra_scalar
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda inner: ls.dynamic_loss_scale(inner, initial_scale=64.0, growth_interval=2),
+    lambda inner: ls.static_loss_scale(inner, 64.0),
+    lambda inner: ls.skip_nonfinite(inner),
+  ],
+  ids=["dynamic", "static", "skip_nonfinite"],
+)
+def test_every_wrapper_with_float16_gradients(make):
+  tx = make(optax.sgd(0.01, momentum=0.9))
+  grads = [
+    jax.tree.map(lambda x: (32.0 * x).astype(jnp.float16), _grads(i, b))
+    for i, b in enumerate(_BAD[:5])
+  ]
+  for (fp, fs), (cp, cs) in _run_both(tx, grads, _params()):
+    chex.assert_trees_all_close((fp, fs), (cp, cs), rtol=1e-6, atol=1e-7)
+    assert int(fs.skipped_steps) == int(cs.skipped_steps)
+  assert int(fs.skipped_steps) == 2
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fp))
+
+
+def test_pmap_with_axis_name_every_replica_skips_together():
+  n = 8
+  tx = ls.dynamic_loss_scale(optax.sgd(0.5), initial_scale=2.0, axis_name="i")
+  params = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), _params())
+  states = jax.pmap(tx.init)(params)
+  step = jax.pmap(lambda g, s, p: ls.apply_gradients(tx, g, s, p), axis_name="i")
+  good = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), _grads(0))
+  # An inf on replica 3 only: every replica skips.
+  bad = dict(good, w=good["w"].at[3, 0, 0].set(INF))
+  p, s = step(bad, states, params)
+  chex.assert_trees_all_equal(p, params)
+  np.testing.assert_array_equal(s.skipped_steps, np.ones(n, np.int32))
+  np.testing.assert_array_equal(s.loss_scale, np.ones(n, np.float32))
+  # A finite step applies everywhere: p - 0.5 * g / scale (scale is now 1).
+  p, s = step(good, s, p)
+  chex.assert_trees_all_close(
+    p, jax.tree.map(lambda x, g: x - 0.5 * g, params, good), rtol=1e-6
+  )
