@@ -10,6 +10,7 @@ from lossscale._diagnostics import check_not_stalled as check_not_stalled
 from lossscale._diagnostics import nonfinite_leaves as nonfinite_leaves
 from lossscale._distributed import cross_shard_mean as cross_shard_mean
 from lossscale._finite import all_finite as all_finite
+from lossscale._fused import apply_gradients as apply_gradients
 from lossscale._loss_scale import LossScaleState as LossScaleState
 from lossscale._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from lossscale._loss_scale import skip_nonfinite as skip_nonfinite
@@ -24,8 +25,9 @@ __all__ = [
   "LossScaleStalledError",
   "LossScaleState",
   "all_finite",
-  "cross_shard_mean",
+  "apply_gradients",
   "check_not_stalled",
+  "cross_shard_mean",
   "dynamic_loss_scale",
   "get_loss_scale",
   "nonfinite_leaves",

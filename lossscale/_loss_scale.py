@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale import _axes, _validation
+from lossscale import _axes, _fused, _validation
 from lossscale._finite import all_finite, is_inexact
 
 
@@ -189,33 +189,59 @@ def _wrap(
       f" {type(inner).__name__} instead."
     )
   inner = optax.with_extra_args_support(inner)
+  rule_id = object()  # tells `apply_gradients` one wrapper traced twice apart
 
   def init_fn(params):
     return LossScaleState(**_init_counters(rule), inner_state=inner.init(params))
 
-  def update_fn(updates, state, params=None, **extra_args):
-    _check_matches_params(fn, updates, params)
-    u = _unscale(updates, state.loss_scale) if rule.scaled else updates
+  def decide(updates, loss_scale):
+    u = _unscale(updates, loss_scale) if rule.scaled else updates
     finite = all_finite(u)
     if axis_name is not None:
       # One scalar collective: every replica takes the same decision.
       finite = _axes.bound_collective(
         fn, axis_name, lambda: jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
       )
+    return finite
 
-    # Select, never multiply-by-zero: the inner optimizer sees zeros instead
-    # of inf/NaN on a skipped step (so nothing non-finite is ever computed),
-    # and its results are discarded by a select that fuses into its kernels.
-    safe_u = jax.tree.map(
-      lambda x: jnp.where(finite, x, jnp.zeros_like(x)) if is_inexact(x) else x, u
-    )
-    new_updates, new_inner = inner.update(
-      safe_u, state.inner_state, params, **extra_args
-    )
-    new_updates = jax.tree.map(
-      lambda x: jnp.where(finite, x, jnp.zeros_like(x)), new_updates
-    )
-    inner_state = optax.tree.where(finite, new_inner, state.inner_state)
+  def update_fn(updates, state, params=None, **extra_args):
+    _check_matches_params(fn, updates, params)
+    fused = _fused.active()  # set only while `lossscale.apply_gradients` traces
+    if fused is None or fused.mode == _fused.PROBE:
+      finite = decide(updates, state.loss_scale)
+      if fused is not None:
+        fused.seen.append(rule_id)
+        fused.finite, fused.incoming = finite, updates
+    else:
+      # Inside `apply_gradients`' cond: the decision was taken before it,
+      # from exactly these updates; recomputing them here would be dead code.
+      finite, updates = fused.finite, fused.incoming
+
+    def apply():
+      u = _unscale(updates, state.loss_scale) if rule.scaled else updates
+      # A select, not a multiply: where `lax.cond` runs both branches (under
+      # `jax.vmap` with a batched flag) the inner optimizer sees zeros, not
+      # inf/NaN, so nothing non-finite is ever computed.
+      u = jax.tree.map(
+        lambda x: jnp.where(finite, x, jnp.zeros_like(x)) if is_inexact(x) else x, u
+      )
+      return inner.update(u, state.inner_state, params, **extra_args)
+
+    def skip():
+      # Exact zeros of the dtypes the finite path returns; state untouched.
+      shapes = jax.eval_shape(apply)[0]
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      return zeros, state.inner_state
+
+    if fused is None:
+      # `lax.cond`, not a select: a skipped step runs nothing, and a finite
+      # step runs the inner optimizer in place on its state (see the
+      # `dynamic_loss_scale` docstring for the numbers).
+      new_updates, inner_state = jax.lax.cond(finite, apply, skip)
+    elif fused.mode == _fused.APPLY:
+      new_updates, inner_state = apply()
+    else:
+      new_updates, inner_state = skip()
     return new_updates, LossScaleState(
       **_next_counters(rule, state, finite), inner_state=inner_state
     )
@@ -257,13 +283,21 @@ def dynamic_loss_scale(
   With `hysteresis=1` the scale follows `torch.amp.GradScaler`; with
   `hysteresis=2` Megatron-LM's `DynamicGradScaler`.
 
-  Skipping uses a select (`jnp.where`), not `lax.cond`: the select fuses into
-  the inner optimizer's elementwise kernels, so a finite step reads each
-  gradient only once more than the bare optimizer (for the finite check) and
-  allocates no copies of the state, while `lax.cond` forces the updates and
-  state through branch boundaries (see `docs/performance.md` for the
-  measurements). On a skipped step the inner optimizer runs on zeros and its
-  result is discarded, so no inf or NaN is ever computed into the state.
+  Skipping uses `lax.cond`, not a select (`jnp.where`), chosen by
+  measurement (`benchmarks/optimizer_step.py`, 25M float32 parameters,
+  AdamW, XLA:CPU): with selects on the updates and the state XLA
+  recomputes the new moments from the old ones inside the parameter update
+  and copies the donated moment buffers to keep them alive, about 5x a bare
+  step with 200 MB of temporaries, and a skipped step costs as much as a
+  finite one. With `lax.cond` a skipped step never runs the inner
+  optimizer, and a finite step runs it in place; what is left over is the
+  updates array the wrapper must hand to `optax.apply_updates`, one
+  parameter-sized temporary. Where the whole step can be compiled
+  together, `lossscale.apply_gradients` puts `apply_updates` inside the
+  same `lax.cond` and removes that too (see `docs/performance.md`). Under
+  `jax.vmap` with a per-member flag the `lax.cond` becomes a select: the
+  inner optimizer then runs on zeros for skipped members, so no inf or NaN
+  is ever computed into the state.
 
   Distributed training: with `axis_name` (a name or tuple of names bound by
   `jax.pmap` or `jax.shard_map`) the finite flag is reduced across those axes

@@ -350,8 +350,19 @@ def test_inner_optimizer_never_sees_nonfinite_values():
   update = jax.jit(tx.update)
   update(jnp.array([1.0, INF, 2.0]), state)
   update(jnp.array([NAN, 1.0, 2.0]), state)
+  update(jnp.array([3.0, 1.0, 2.0]), state)
   jax.effects_barrier()
-  assert len(seen) == 2
+  # A skipped step does not run the inner optimizer at all (`lax.cond`).
+  assert len(seen) == 1
+  assert all(np.all(np.isfinite(s)) for s in seen)
+  # Under vmap with per-member decisions both branches run: the inner
+  # optimizer sees zeros in place of a bad member's gradients.
+  seen.clear()
+  states = jax.vmap(tx.init)(jnp.zeros((2, 3)))
+  jax.jit(jax.vmap(tx.update))(jnp.array([[1.0, INF, 2.0], [3.0, 1.0, 2.0]]), states)
+  jax.effects_barrier()
+  assert len(seen) == 2  # one call per member
+  assert any(np.array_equal(s, np.zeros(3, np.float32)) for s in seen)
   assert all(np.all(np.isfinite(s)) for s in seen)
 
 

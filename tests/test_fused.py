@@ -1,0 +1,372 @@
+"""Tests of lossscale.apply_gradients (lossscale/_fused.py)."""
+
+import functools
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import lossscale as ls
+
+INF, NAN = float("inf"), float("nan")
+
+
+def _standard():
+  # optax's adam computes `int32 count ** float`: not strict-promotion clean.
+  return jax.numpy_dtype_promotion("standard")
+
+
+def _params():
+  k = jax.random.key(0)
+  return {
+    "w": jax.random.normal(k, (3, 4), jnp.float32),
+    "b": jnp.linspace(-1.0, 1.0, 4, dtype=jnp.float32),
+  }
+
+
+def _grads(i, bad=None):
+  k = jax.random.fold_in(jax.random.key(1), i)
+  g = {
+    "w": jax.random.normal(k, (3, 4), jnp.float32),
+    "b": jax.random.normal(jax.random.fold_in(k, 1), (4,), jnp.float32),
+  }
+  if bad is not None:
+    g["w"] = g["w"].at[1, 2].set(bad)
+  return g
+
+
+# Finite, finite, inf, finite, NaN, NaN, finite, finite: skips, a back-off
+# with hysteresis, growth after two finite steps.
+_BAD = [None, None, INF, None, NAN, -INF, None, None]
+
+
+def _run_both(tx, grads_seq, params, **extra):
+  """Runs apply_gradients and tx.update + apply_updates side by side."""
+
+  @jax.jit
+  def fused(g, s, p):
+    return ls.apply_gradients(tx, g, s, p, **extra)
+
+  @jax.jit
+  def composed(g, s, p):
+    u, s = tx.update(g, s, p, **extra)
+    return optax.apply_updates(p, u), s
+
+  out = []
+  with _standard():
+    fs = cs = tx.init(params)
+    fp = cp = params
+    for g in grads_seq:
+      fp, fs = fused(g, fs, fp)
+      cp, cs = composed(g, cs, cp)
+      out.append(((fp, fs), (cp, cs)))
+  return out
+
+
+def _assert_trees_equal(a, b):
+  chex.assert_trees_all_equal_structs(a, b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_same_trajectory_as_update_plus_apply_updates_with_chains():
+  """Pre- and post-wrapper transforms with state: bit for bit the same."""
+  tx = optax.chain(
+    optax.clip_by_global_norm(1e4),
+    optax.scale_by_schedule(lambda n: 1.0 / (1.0 + n.astype(jnp.float32))),
+    ls.dynamic_loss_scale(
+      optax.adamw(0.1), initial_scale=8.0, growth_interval=2, hysteresis=2
+    ),
+    optax.scale_by_schedule(lambda n: 0.5 + 0.5 * (n % 2).astype(jnp.float32)),
+  )
+  grads = [
+    jax.tree.map(lambda x, i=i: 8.0 * x, _grads(i, b)) for i, b in enumerate(_BAD)
+  ]
+  steps = _run_both(tx, grads, _params())
+  for (fp, fs), (cp, cs) in steps:
+    # The decision and the scale state machine: exactly the same.
+    _assert_trees_equal(fs[2]._replace(inner_state=()), cs[2]._replace(inner_state=()))
+    _assert_trees_equal((fs[0], fs[1], fs[3]), (cs[0], cs[1], cs[3]))
+    # Floats: XLA compiles the two programs separately (fusion and FMA
+    # contraction may differ by an ulp).
+    chex.assert_trees_all_close((fp, fs), (cp, cs), rtol=1e-6, atol=1e-7)
+  final = steps[-1][0][1]
+  assert int(final[2].skipped_steps) == 3
+
+
+def test_matches_bare_optimizer_fed_only_the_finite_unscaled_steps():
+  """Independent reference: plain AdamW on the finite steps, unscaled."""
+  scale = 4.0
+  tx = ls.dynamic_loss_scale(
+    optax.adamw(0.05), initial_scale=scale, growth_interval=1000
+  )
+  params = _params()
+  step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+  bare = optax.adamw(0.05)
+  with _standard():
+    state = tx.init(params)
+    ref_p, ref_s = params, bare.init(params)
+    p = params
+    for i, b in enumerate(_BAD):
+      g = _grads(i, b)
+      scale_now = float(ls.get_loss_scale(state))
+      p, state = step(jax.tree.map(lambda x, s=scale_now: x * s, g), state, p)
+      if b is None:
+        u, ref_s = bare.update(g, ref_s, ref_p)
+        ref_p = optax.apply_updates(ref_p, u)
+      chex.assert_trees_all_close(p, ref_p, rtol=1e-6, atol=1e-7)
+  # The inner count advanced only on the 5 finite steps.
+  assert int(state.inner_state[0].count) == 5
+  assert int(state.skipped_steps) == 3
+
+
+def test_skipped_step_leaves_params_and_inner_state_bitwise():
+  tx = ls.dynamic_loss_scale(optax.adam(0.1), initial_scale=2.0)
+  params = _params()
+  step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+  with _standard():
+    state = tx.init(params)
+    p1, s1 = step(_grads(0), state, params)
+    p2, s2 = step(_grads(1, NAN), s1, p1)
+  _assert_trees_equal((p1, s1.inner_state), (p2, s2.inner_state))
+  assert float(s2.loss_scale) == 1.0
+  assert int(s2.consecutive_skips) == 1
+
+
+def test_no_recompilation_across_steps_and_skips():
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=4.0, growth_interval=2)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(g, s, p):
+    return ls.apply_gradients(tx, g, s, p)
+
+  params = _params()
+  state = tx.init(params)
+  for i, b in enumerate(_BAD):
+    params, state = step(_grads(i, b), state, params)
+  assert step._cache_size() == 1
+  # lax.cond demands identical types: no weak types, no dtype drift.
+  init = tx.init(params)
+  jax.lax.cond(jnp.array(True), lambda: init, lambda: state)
+
+
+def test_extra_args_are_forwarded_lbfgs():
+  def loss(p):
+    return jnp.sum((p["w"] - 1.0) ** 2) + jnp.sum(p["b"] ** 2)
+
+  scale = 16.0
+  tx = ls.static_loss_scale(optax.lbfgs(), scale)
+  params = _params()
+
+  def run(fused):
+    @jax.jit
+    def step(p, s):
+      value, g = jax.value_and_grad(loss)(p)
+      sg = jax.tree.map(lambda x: x * scale, g)
+      extra = dict(value=value, grad=g, value_fn=loss)
+      if fused:
+        return ls.apply_gradients(tx, sg, s, p, **extra)
+      u, s = tx.update(sg, s, p, **extra)
+      return optax.apply_updates(p, u), s
+
+    p, s = params, tx.init(params)
+    with _standard():
+      for _ in range(3):
+        p, s = step(p, s)
+    return p, s
+
+  fused, composed = run(True), run(False)
+  _assert_trees_equal(fused, composed)
+  assert float(loss(fused[0])) < 1e-3 * float(loss(params))
+
+
+def test_vmap_members_decide_independently():
+  tx = ls.dynamic_loss_scale(optax.sgd(0.5), initial_scale=2.0)
+  params = jax.tree.map(lambda x: jnp.stack([x, x + 1.0]), _params())
+  g0, g1 = _grads(0, INF), _grads(1)
+  grads = jax.tree.map(lambda a, b: jnp.stack([a, b]), g0, g1)
+  states = jax.vmap(tx.init)(params)
+  fused = jax.jit(jax.vmap(lambda g, s, p: ls.apply_gradients(tx, g, s, p)))
+  p, s = fused(grads, states, params)
+  # Member 0 skipped: parameters untouched, scale backed off.
+  chex.assert_trees_all_equal(
+    jax.tree.map(lambda x: x[0], p), jax.tree.map(lambda x: x[0], params)
+  )
+  np.testing.assert_array_equal(s.loss_scale, np.array([1.0, 2.0], np.float32))
+  # Member 1 stepped: p - 0.5 * g / 2.
+  chex.assert_trees_all_close(
+    jax.tree.map(lambda x: x[1], p),
+    jax.tree.map(lambda x, g: x[1] - 0.25 * g, params, g1),
+    rtol=1e-6,
+  )
+
+
+@pytest.mark.parametrize(
+  "tx, message",
+  [
+    (optax.adam(0.1), "found no"),
+    (
+      optax.chain(
+        ls.skip_nonfinite(optax.identity()), ls.dynamic_loss_scale(optax.sgd(0.1))
+      ),
+      "found 2",
+    ),
+  ],
+)
+def test_rejects_tx_without_exactly_one_wrapper(tx, message):
+  params = _params()
+  with (
+    _standard(),
+    pytest.raises(ValueError, match=rf"apply_gradients\(tx=\.\.\.\).*{message}"),
+  ):
+    ls.apply_gradients(tx, _grads(0), tx.init(params), params)
+
+
+def test_rejects_wrapper_inside_another_transforms_control_flow():
+  tx = optax.MultiSteps(ls.dynamic_loss_scale(optax.sgd(0.1)), 2)
+  tx = tx.gradient_transformation()
+  params = _params()
+  with _standard(), pytest.raises(ValueError, match="control flow"):
+    jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(
+      _grads(0), tx.init(params), params
+    )
+
+
+def test_rejects_non_transformation():
+  with pytest.raises(ValueError, match=r"apply_gradients\(tx=\.\.\.\)"):
+    ls.apply_gradients(optax.adam, {}, (), {})
+
+
+# Compiled behaviour (no timings): one conditional around the whole step, no
+# params-sized temporaries, and the collectives the design promises.
+
+
+def _mid_tree():
+  return {f"l{i}": jnp.full((256, 256), 0.01, jnp.float32) for i in range(8)}
+
+
+def test_compiled_step_has_one_cond_and_no_param_sized_temporaries():
+  params = _mid_tree()
+  tx = ls.dynamic_loss_scale(optax.adamw(1e-3))
+  p_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+
+  def fused(p, s, g):
+    return ls.apply_gradients(tx, g, s, p)
+
+  def composed(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  def compile_(f):
+    with _standard():
+      return (
+        jax.jit(f, donate_argnums=(0, 1))
+        .lower(params, tx.init(params), params)
+        .compile()
+      )
+
+  c_fused, c_comp = compile_(fused), compile_(composed)
+  assert len(re.findall(r"[\])}] conditional\(", c_fused.as_text())) == 1
+  # The composable path must hand the updates out as an array; the fused
+  # step writes parameters and moments in place.
+  assert c_fused.memory_analysis().temp_size_in_bytes < p_bytes / 2
+  assert c_comp.memory_analysis().temp_size_in_bytes >= p_bytes
+  # Neither copies a donated parameter or moment buffer (a select-based
+  # skip made XLA copy every moment to keep the old values alive).
+  for c in (c_fused, c_comp):
+    text = c.as_text()
+    entry = text[text.index("ENTRY") :].split("\n", 1)[0]
+    donated = re.findall(r"([\w.]+): f32\[256,256\]", entry)
+    assert len(donated) == 3 * len(params) + len(params)  # p, mu, nu; grads
+    copied = set(re.findall(r"copy\(%([\w.]+)\)", text))
+    assert not copied & set(donated)
+
+
+def _all_reduces(hlo):
+  shapes = re.findall(r" = (.*?) all-reduce(?:-start)?\(", hlo)
+  scalar = r"\(?\w+\[\](?:, \w+\[\])*\)?"
+  return len(shapes), sum(bool(re.fullmatch(scalar, s)) for s in shapes)
+
+
+@pytest.mark.parametrize("axis_name, extra_scalar", [(None, 0), ("batch", 1)])
+def test_collectives_after_averaging_in_shard_map(axis_name, extra_scalar):
+  mesh = Mesh(np.array(jax.devices()[:8]), ("batch",))
+  params = {"w": jnp.ones((8, 4)), "b": jnp.ones((4,))}
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), axis_name=axis_name)
+
+  def step(fused, p, s, g):
+    g = jax.lax.pmean(g, "batch")
+    if fused:
+      return ls.apply_gradients(tx, g, s, p)
+    if fused is None:  # the bare optimizer: the baseline count
+      u, _ = optax.sgd(0.1).update(g, s.inner_state, p)
+      return optax.apply_updates(p, u), s
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  def count(fused):
+    f = jax.shard_map(
+      functools.partial(step, fused),
+      mesh=mesh,
+      in_specs=(P(), P(), P("batch")),
+      out_specs=(P(), P()),
+    )
+    grads = {"w": jnp.ones((64, 4)), "b": jnp.ones((32,))}
+    hlo = jax.jit(f).lower(params, tx.init(params), grads).compile().as_text()
+    return _all_reduces(hlo)
+
+  base_n, base_scalar = count(None)
+  for fused in (True, False):
+    n, scalar = count(fused)
+    assert scalar - base_scalar == extra_scalar
+    assert n - base_n == extra_scalar
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda inner: ls.dynamic_loss_scale(inner, initial_scale=64.0, growth_interval=2),
+    lambda inner: ls.static_loss_scale(inner, 64.0),
+    lambda inner: ls.skip_nonfinite(inner),
+  ],
+  ids=["dynamic", "static", "skip_nonfinite"],
+)
+def test_every_wrapper_with_float16_gradients(make):
+  tx = make(optax.sgd(0.01, momentum=0.9))
+  grads = [
+    jax.tree.map(lambda x: (32.0 * x).astype(jnp.float16), _grads(i, b))
+    for i, b in enumerate(_BAD[:5])
+  ]
+  for (fp, fs), (cp, cs) in _run_both(tx, grads, _params()):
+    chex.assert_trees_all_close((fp, fs), (cp, cs), rtol=1e-6, atol=1e-7)
+    assert int(fs.skipped_steps) == int(cs.skipped_steps)
+  assert int(fs.skipped_steps) == 2
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(fp))
+
+
+def test_pmap_with_axis_name_every_replica_skips_together():
+  n = 8
+  tx = ls.dynamic_loss_scale(optax.sgd(0.5), initial_scale=2.0, axis_name="i")
+  params = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), _params())
+  states = jax.pmap(tx.init)(params)
+  step = jax.pmap(lambda g, s, p: ls.apply_gradients(tx, g, s, p), axis_name="i")
+  good = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), _grads(0))
+  # An inf on replica 3 only: every replica skips.
+  bad = dict(good, w=good["w"].at[3, 0, 0].set(INF))
+  p, s = step(bad, states, params)
+  chex.assert_trees_all_equal(p, params)
+  np.testing.assert_array_equal(s.skipped_steps, np.ones(n, np.int32))
+  np.testing.assert_array_equal(s.loss_scale, np.ones(n, np.float32))
+  # A finite step applies everywhere: p - 0.5 * g / scale (scale is now 1).
+  p, s = step(good, s, p)
+  chex.assert_trees_all_close(
+    p, jax.tree.map(lambda x, g: x - 0.5 * g, params, good), rtol=1e-6
+  )
