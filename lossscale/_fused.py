@@ -30,6 +30,8 @@ from typing import Any
 import jax
 import optax
 
+from lossscale import _axes
+
 PROBE, APPLY, SKIP = "probe", "apply", "skip"
 
 _local = threading.local()
@@ -173,7 +175,7 @@ def apply_gradients(
     return step
 
   try:
-    return jax.lax.cond(probe.finite, branch(APPLY), branch(SKIP))
+    return _axes.cond(probe.finite, branch(APPLY), branch(SKIP))
   except jax.errors.UnexpectedTracerError as e:
     raise ValueError(_CONTROL_FLOW) from e
 

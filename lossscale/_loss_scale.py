@@ -237,7 +237,7 @@ def _wrap(
       # `lax.cond`, not a select: a skipped step runs nothing, and a finite
       # step runs the inner optimizer in place on its state (see the
       # `dynamic_loss_scale` docstring for the numbers).
-      new_updates, inner_state = jax.lax.cond(finite, apply, skip)
+      new_updates, inner_state = _axes.cond(finite, apply, skip)
     elif fused.mode == _fused.APPLY:
       new_updates, inner_state = apply()
     else:

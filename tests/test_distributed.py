@@ -349,12 +349,20 @@ def test_spmd_fsdp_finite_check_costs_one_scalar_all_reduce():
     )
   bare, scaled = found
   # Each device checks its own shard of the sharded gradients; the compiler
-  # combines the flags with one scalar all-reduce and adds nothing else.
-  extra = scaled - bare
-  assert bare - scaled == collections.Counter()
-  assert sum(extra.values()) == 1
-  ((op, shapes),) = extra
-  assert op == "all-reduce" and len(shapes) == 1 and shapes[0].endswith("[]")
+  # combines the flags with one scalar all-reduce and adds nothing else. (XLA's
+  # all-reduce combiner may carry that scalar inside a gradient all-reduce, so
+  # compare the reduced operands and allow at most one more op.)
+
+  def operands(counter):
+    return collections.Counter(
+      (op, shape) for (op, shapes), n in counter.items() for shape in shapes * n
+    )
+
+  extra = operands(scaled) - operands(bare)
+  assert operands(bare) - operands(scaled) == collections.Counter()
+  ((op, shape),) = extra.elements()
+  assert op == "all-reduce" and shape.endswith("[]")
+  assert sum(scaled.values()) <= sum(bare.values()) + 1
 
 
 # Sharded updates without averaging: only the wrapper's axis name keeps the
