@@ -143,13 +143,14 @@ def float16_range_report(tree: Any) -> Float16RangeReport:
   Examples:
     >>> import jax.numpy as jnp
     >>> import lossscale as ls
-    >>> grads = {"a": jnp.array([1e-9, 1e-3, 0.0, 1e5]), "b": jnp.array([3e-8])}
+    >>> grads = {"a": jnp.array([1e-9, 1e-3, 0.0, 1e5]), "b": jnp.array([2e-8])}
     >>> report = ls.float16_range_report(grads)
     >>> report.underflow, report.overflow
-    (Array(0.2, dtype=float32), Array(0.2, dtype=float32))
+    (Array(0.4, dtype=float32), Array(0.2, dtype=float32))
     >>> report.per_leaf["['a']"]
     (Array(0.25, dtype=float32), Array(0.25, dtype=float32))
-    >>> ls.float16_range_report({"b": jnp.array([3e-8]) * 2.0**10}).underflow
+    >>> scaled = {"a": grads["a"] * 2.0**10, "b": grads["b"] * 2.0**10}
+    >>> ls.float16_range_report(scaled).underflow  # a loss scale of 2**10
     Array(0., dtype=float32)
   """
   per_leaf = {}
@@ -157,7 +158,8 @@ def float16_range_report(tree: Any) -> Float16RangeReport:
   for path, x in jax.tree.leaves_with_path(tree):
     if not _is_floating(x) or x.size == 0:
       continue
-    mag = jnp.abs(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+    # Exact in float32 for every narrower float (float64 stays float64).
+    mag = jnp.abs(x if x.dtype.itemsize > 4 else x.astype(jnp.float32))
     under = jnp.sum(jnp.logical_and(mag > 0, mag <= _F16_ZERO_AT), dtype=jnp.int32)
     over = jnp.sum(mag >= _F16_INF_AT, dtype=jnp.int32)
     n = jnp.float32(x.size)
