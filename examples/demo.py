@@ -210,38 +210,40 @@ def eval_loss(state, batches):
   )
 
 
-@jax.jit
-def final_metrics(state, ref_apply_state, val_batches, probe_batch, scale):
-  """Validation loss, float32 gradients, and what the mode's dtype loses of them.
+# The end-of-run gradient probe is split in jitted pieces so that what is
+# the same for every mode (the float32 gradient, the comparison) compiles once.
 
-  `ref_apply_state` only carries the float32 model's `apply_fn` (static).
-  Returns the validation loss, the float32 reference gradients at
-  `state.params` on `probe_batch`, and the fraction of their nonzero elements
-  that the mode's own backward pass (its compute dtype, its loss scale) turns
-  into exact zeros: gradient elements lost to underflow.
+
+@jax.jit
+def scaled_grads(state, batch, scale):
+  """Gradients of `loss * scale` in the state's own compute dtype."""
+  return jax.grad(lambda p: loss_fn(state.apply_fn, p, batch) * scale)(state.params)
+
+
+@jax.jit
+def compare_grads(own, ref, scale):
+  """How the mode's gradients (of loss * scale) differ from float32's.
+
+  Returns the fraction of the nonzero float32 gradient elements that the
+  mode's backward pass made exactly zero (lost to underflow), the relative
+  error of the unscaled gradients, and `lossscale.float16_range_report` of
+  the float32 gradients times the scale (what float16 would lose).
   """
-  val = jnp.mean(
-    jax.lax.map(lambda b: loss_fn(state.apply_fn, state.params, b), val_batches)
-  )
-  ref_apply, params = ref_apply_state.apply_fn, state.params
-  ref = jax.grad(lambda p: loss_fn(ref_apply, p, probe_batch))(params)
-  own = jax.grad(lambda p: loss_fn(state.apply_fn, p, probe_batch) * scale)(params)
-  nonzero = sum(jnp.sum(r != 0) for r in jax.tree.leaves(ref))
+  ref_leaves, own_leaves = jax.tree.leaves(ref), jax.tree.leaves(own)
+  nonzero = sum(jnp.sum(r != 0) for r in ref_leaves)
   zeroed = sum(
     jnp.sum(jnp.logical_and(r != 0, o == 0))
-    for r, o in zip(jax.tree.leaves(ref), jax.tree.leaves(own), strict=True)
+    for r, o in zip(ref_leaves, own_leaves, strict=True)
   )
-  # Relative error of the mode's (unscaled) gradients against float32's.
   err = optax.tree.norm(
     jax.tree.map(lambda o, r: o.astype(jnp.float32) / scale - r, own, ref)
   ) / optax.tree.norm(ref)
-  # What float16 would lose of the float32 gradients at this mode's scale.
   report = ls.float16_range_report(jax.tree.map(lambda g: g * scale, ref))
-  return val, ref, zeroed / jnp.maximum(nonzero, 1), err, report
+  return zeroed / jnp.maximum(nonzero, 1), err, report
 
 
 def run_mode(mode, cfg, params, train_batches, val_batches, probe_batch, ref_apply):
-  """Trains one mode; `ref_apply` is a float32 state used for its apply_fn."""
+  """Trains one mode; `ref_apply` is a float32 state (for its `apply_fn`)."""
   # Jitted: built eagerly, each small op of the initialisation compiles alone.
   state = jax.jit(lambda p: make_state(mode, cfg, p))(params)
   scaled = isinstance(state, TrainState)
@@ -276,10 +278,14 @@ def run_mode(mode, cfg, params, train_batches, val_batches, probe_batch, ref_app
   # scale may just have grown and not been tried yet).
   applied = [s for i, s in enumerate(scales) if i not in set(skipped_at)]
   scale = applied[-1] if applied else 1.0
-  val, ref_grads, zeroed, grad_err, report = final_metrics(
-    state, ref_apply, val_batches, probe_batch, jnp.float32(scale)
-  )
-  evals.append((cfg.steps, float(val)))
+  evals.append((cfg.steps, float(eval_loss(state, val_batches))))
+  ref_state = ref_apply.replace(params=state.params)
+  ref_grads = scaled_grads(ref_state, probe_batch, jnp.float32(1.0))
+  if mode == "float32":
+    own = ref_grads
+  else:
+    own = scaled_grads(state, probe_batch, jnp.float32(scale))
+  zeroed, grad_err, report = compare_grads(own, ref_grads, jnp.float32(scale))
   tokens = (cfg.steps - 1) * cfg.batch * cfg.seq
   return {
     "mode": mode,

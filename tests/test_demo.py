@@ -4,6 +4,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import sys
 
 import jax
 import pytest
@@ -15,8 +16,12 @@ DEMO = pathlib.Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 def demo():
   spec = importlib.util.spec_from_file_location("lossscale_demo", DEMO)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  sys.modules[spec.name] = module  # dataclasses look their module up there
+  try:
+    spec.loader.exec_module(module)
+    yield module
+  finally:
+    del sys.modules[spec.name]
 
 
 def test_quick_demo_writes_table_figure_and_json(demo, tmp_path, capsys):
