@@ -300,6 +300,7 @@ def run_mode(mode, cfg, params, train_batches, val_batches, probe_batch, ref_app
     "grad_relative_error": float(grad_err),
     "f16_underflow_at_scale": float(report.underflow),
     "f16_overflow_at_scale": float(report.overflow),
+    "f16_subnormal_at_scale": float(report.subnormal),
     "losses": losses,
     "evals": evals,
     "scales": scales,
@@ -509,6 +510,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
       f" {f16s['grad_zeroed_fraction']:.3%} with it; gradient error vs float32:"
       f" {f16['grad_relative_error']:.1e} without,"
       f" {f16s['grad_relative_error']:.1e} with.",
+      f"Of float32's gradients, float16 would flush"
+      f" {f16['f16_underflow_at_scale']:.3%} to zero and keep"
+      f" {f16['f16_subnormal_at_scale']:.1%} only as subnormals (without scaling);"
+      f" at the loss scale 2^{np.log2(f16s['probe_loss_scale']):g}:"
+      f" {f16s['f16_underflow_at_scale']:.3%} and"
+      f" {f16s['f16_subnormal_at_scale']:.1%}.",
     ]
   )
   print()

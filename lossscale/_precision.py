@@ -16,6 +16,7 @@ import numpy as np
 # power of two).
 _F16_ZERO_AT = 2.0**-25
 _F16_INF_AT = 65520.0
+_F16_MIN_NORMAL = 2.0**-14
 
 
 def _floating_dtype(fn: str, arg: str, dtype: Any) -> np.dtype:
@@ -115,12 +116,16 @@ class Float16RangeReport(NamedTuple):
     overflow: float32 fraction that become inf in float16 (`|x| >= 65520`,
       the values that do not round to the largest finite 65504), including
       infs already present.
+    subnormal: float32 fraction that survive only as float16 subnormals
+      (`2**-25 < |x| < 2**-14`), with fewer than float16's 11 significant
+      bits: not lost, but rounded coarsely.
     per_leaf: `{path: (underflow, overflow)}` for every floating leaf, the
       fractions of that leaf's elements; paths as `jax.tree_util.keystr`.
   """
 
   underflow: jax.Array
   overflow: jax.Array
+  subnormal: jax.Array
   per_leaf: dict[str, tuple[jax.Array, jax.Array]]
 
 
@@ -145,8 +150,8 @@ def float16_range_report(tree: Any) -> Float16RangeReport:
     >>> import lossscale as ls
     >>> grads = {"a": jnp.array([1e-9, 1e-3, 0.0, 1e5]), "b": jnp.array([2e-8])}
     >>> report = ls.float16_range_report(grads)
-    >>> report.underflow, report.overflow
-    (Array(0.4, dtype=float32), Array(0.2, dtype=float32))
+    >>> report.underflow, report.overflow, report.subnormal
+    (Array(0.4, dtype=float32), Array(0.2, dtype=float32), Array(0., dtype=float32))
     >>> report.per_leaf["['a']"]
     (Array(0.25, dtype=float32), Array(0.25, dtype=float32))
     >>> scaled = {"a": grads["a"] * 2.0**10, "b": grads["b"] * 2.0**10}
@@ -154,7 +159,7 @@ def float16_range_report(tree: Any) -> Float16RangeReport:
     Array(0., dtype=float32)
   """
   per_leaf = {}
-  lost_under, lost_over, total = [], [], 0
+  lost_under, lost_over, coarse, total = [], [], [], 0
   for path, x in jax.tree.leaves_with_path(tree):
     if not _is_floating(x) or x.size == 0:
       continue
@@ -162,6 +167,8 @@ def float16_range_report(tree: Any) -> Float16RangeReport:
     mag = jnp.abs(x if x.dtype.itemsize > 4 else x.astype(jnp.float32))
     under = jnp.sum(jnp.logical_and(mag > 0, mag <= _F16_ZERO_AT), dtype=jnp.int32)
     over = jnp.sum(mag >= _F16_INF_AT, dtype=jnp.int32)
+    sub = jnp.logical_and(mag > _F16_ZERO_AT, mag < _F16_MIN_NORMAL)
+    coarse.append(jnp.sum(sub, dtype=jnp.int32))
     n = jnp.float32(x.size)
     per_leaf[jax.tree_util.keystr(path)] = (
       under.astype(jnp.float32) / n,
@@ -172,10 +179,11 @@ def float16_range_report(tree: Any) -> Float16RangeReport:
     total += x.size
   if not total:
     zero = jnp.zeros([], jnp.float32)
-    return Float16RangeReport(zero, zero, per_leaf)
+    return Float16RangeReport(zero, zero, zero, per_leaf)
   n = jnp.float32(total)
   return Float16RangeReport(
     underflow=sum(lost_under).astype(jnp.float32) / n,
     overflow=sum(lost_over).astype(jnp.float32) / n,
+    subnormal=sum(coarse).astype(jnp.float32) / n,
     per_leaf=per_leaf,
   )

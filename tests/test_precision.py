@@ -86,7 +86,8 @@ def _numpy_reference(x):
     h = x.astype(np.float16)
   under = np.logical_and(x != 0, h == 0)
   over = np.logical_and(np.isinf(h), ~np.isnan(x))
-  return under, over
+  sub = np.logical_and(h != 0, np.abs(h) < np.finfo(np.float16).smallest_normal)
+  return under, over, sub
 
 
 def test_float16_range_report_matches_numpy_rounding():
@@ -113,13 +114,15 @@ def test_float16_range_report_matches_numpy_rounding():
     "ids": jnp.arange(7),
   }
   report = jax.jit(ls.float16_range_report)(tree)
-  ua, oa = _numpy_reference(np.asarray(tree["a"]))
-  ue, oe = _numpy_reference(np.asarray(tree["edges"]))
+  ua, oa, sa = _numpy_reference(np.asarray(tree["a"]))
+  ue, oe, se = _numpy_reference(np.asarray(tree["edges"]))
   np.testing.assert_array_equal(ue, [1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0])
   np.testing.assert_array_equal(oe, [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0])
   total = a.size + edges.size
   np.testing.assert_allclose(report.underflow, (ua.sum() + ue.sum()) / total, rtol=1e-6)
   np.testing.assert_allclose(report.overflow, (oa.sum() + oe.sum()) / total, rtol=1e-6)
+  np.testing.assert_allclose(report.subnormal, (sa.sum() + se.sum()) / total, rtol=1e-6)
+  np.testing.assert_array_equal(se, [0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0])
   assert set(report.per_leaf) == {"['a']", "['edges']"}
   np.testing.assert_allclose(
     report.per_leaf["['a']"], (ua.mean(), oa.mean()), rtol=1e-6
@@ -146,5 +149,6 @@ def test_float16_range_report_empty_and_half_precision_trees():
   assert float(ints.underflow) == 0.0 and ints.per_leaf == {}
   half = ls.float16_range_report([jnp.array([1.0, jnp.inf], jnp.float16)])
   assert float(half.underflow) == 0.0 and float(half.overflow) == 0.5
+  assert float(half.subnormal) == 0.0
   bf = ls.float16_range_report([jnp.array([1e-30, 1e30], jnp.bfloat16)])
   assert float(bf.underflow) == 0.5 and float(bf.overflow) == 0.5
