@@ -15,6 +15,10 @@ from lossscale._loss_scale import LossScaleState as LossScaleState
 from lossscale._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from lossscale._loss_scale import skip_nonfinite as skip_nonfinite
 from lossscale._loss_scale import static_loss_scale as static_loss_scale
+from lossscale._precision import Float16RangeReport as Float16RangeReport
+from lossscale._precision import cast_floating as cast_floating
+from lossscale._precision import float16_range_report as float16_range_report
+from lossscale._precision import with_compute_dtype as with_compute_dtype
 
 try:
   __version__ = _metadata.version("lossscale")
@@ -22,19 +26,23 @@ except _metadata.PackageNotFoundError:  # running from a source tree
   __version__ = "0.0.0+unknown"
 
 __all__ = [
+  "Float16RangeReport",
   "LossScaleStalledError",
   "LossScaleState",
   "all_finite",
   "apply_gradients",
+  "cast_floating",
   "check_not_stalled",
   "cross_shard_mean",
   "dynamic_loss_scale",
+  "float16_range_report",
   "get_loss_scale",
   "nonfinite_leaves",
   "scale_loss",
   "skip_nonfinite",
   "static_loss_scale",
   "value_and_grad",
+  "with_compute_dtype",
 ]
 
 

@@ -1,0 +1,154 @@
+"""Flax integration: a `TrainState` that keeps TensorFlow's skipped-step contract.
+
+`lossscale.flax.TrainState` is `flax.training.train_state.TrainState` with one
+change in `apply_gradients`: when the loss-scaling optimizer skips a step
+(the gradients held an inf or a NaN), nothing in the train state moves.
+`step` is not incremented (as TensorFlow's `global_step` was not), `params`
+stay as they were, and fields passed through `**kwargs` (such as BatchNorm's
+`batch_stats`, computed in the same bad forward pass) keep their old values.
+
+The decision is read from the `LossScaleState` in the new optimizer state
+(its `consecutive_skips` is 0 exactly on an applied step), so the wrapper's
+state machine stays the only one.
+
+Flax NNX needs no subclass: `nnx.Optimizer(model, tx, wrt=nnx.Param)` with a
+loss-scaling `tx` already leaves the model unchanged on a skipped step (the
+updates are exact zeros), and `lossscale.get_loss_scale`,
+`lossscale.scale_loss` and `lossscale.value_and_grad` accept the
+`nnx.Optimizer` itself. Its own `step` counter counts calls, skipped or not;
+read `skipped_steps` from the state (see `docs/flax.md`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from lossscale._access import find_state, get_loss_scale
+
+__all__ = ["TrainState"]
+
+
+class TrainState(train_state.TrainState):
+  """A Flax `TrainState` whose skipped steps leave it unchanged.
+
+  Build it like Flax's (`TrainState.create(apply_fn=..., params=..., tx=...)`)
+  with `tx` a loss-scaling optimizer (`lossscale.dynamic_loss_scale`,
+  `static_loss_scale` or `skip_nonfinite`, possibly inside an `optax.chain`).
+  `apply_gradients(grads=...)` takes gradients of the *scaled* loss; on a
+  finite step it behaves exactly like Flax's, and on a skipped step it
+  returns a state in which only the optimizer state changed (the loss scale
+  backed off and `skipped_steps` grew)::
+
+      new = flax_apply_gradients(grads, **kwargs)
+      applied = (loss-scale state's consecutive_skips == 0)
+      step   = step + 1 if applied else step
+      params = new.params if applied else params      # bit for bit
+      kwargs fields = new values if applied else old values
+
+  `step` is a strongly typed int32 that saturates instead of wrapping and
+  counts applied updates only, like TensorFlow's `global_step` under
+  `LossScaleOptimizer`. The choice is a select (`jnp.where`), so it works
+  unchanged under `jax.jit`, `jax.pmap` and `jax.vmap`.
+
+  Attributes:
+    loss_scale: the current loss scale (float32); a property, not a field,
+      so `optax.tree.get(state, "loss_scale")` still finds exactly one value.
+    skipped_steps: the number of skipped steps so far (int32).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import flax.linen as nn
+    >>> import lossscale as ls
+    >>> model = nn.Dense(1)
+    >>> params = model.init(jax.random.key(0), jnp.ones((1, 2)))["params"]
+    >>> state = ls.flax.TrainState.create(
+    ...     apply_fn=model.apply, params=params,
+    ...     tx=ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0))
+    >>> bad = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), params)
+    >>> state = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, bad)
+    >>> state.step, state.loss_scale, state.skipped_steps
+    (Array(0, dtype=int32), Array(4., dtype=float32), Array(1, dtype=int32))
+  """
+
+  def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+    """Applies `grads` (of the scaled loss), or skips the step entirely.
+
+    Args:
+      grads: gradients with the structure of `params`, of the loss multiplied
+        by `self.loss_scale` (see `lossscale.value_and_grad`).
+      **kwargs: other fields to replace, such as `batch_stats`; on a skipped
+        step they keep their old values.
+
+    Returns:
+      The new state: `step` incremented, `params`, `opt_state` and `kwargs`
+      updated on an applied step; only `opt_state` updated on a skipped one.
+
+    Raises:
+      ValueError: when a field given in `kwargs` changes its tree structure
+        (a skipped step could not keep the old value), or when `tx` holds
+        no (or more than one) loss-scaling state.
+    """
+    find_state(self.opt_state)  # Fails early with a clear message.
+    new = super().apply_gradients(grads=grads, **kwargs)
+    applied = find_state(new.opt_state).consecutive_skips == 0
+
+    def keep_old_on_skip(name: str, old: Any, value: Any) -> Any:
+      old_def, new_def = jax.tree.structure(old), jax.tree.structure(value)
+      if old_def != new_def:
+        raise ValueError(
+          f"`TrainState.apply_gradients({name}=...)` must keep the tree"
+          f" structure of the current `{name}` (a skipped step keeps the"
+          f" old value), got {new_def} instead of {old_def}."
+        )
+      return optax.tree.where(applied, value, old)
+
+    fields = {f.name: f for f in dataclasses.fields(self)}
+    kept = {}
+    for name, value in kwargs.items():
+      if fields.get(name) is not None and fields[name].metadata.get(
+        "pytree_node", True
+      ):
+        kept[name] = keep_old_on_skip(name, getattr(self, name), value)
+    old_step = jnp.asarray(self.step, jnp.int32)
+    return new.replace(
+      step=jnp.where(applied, optax.safe_increment(old_step), old_step),
+      params=keep_old_on_skip("params", self.params, new.params),
+      **kept,
+    )
+
+  @classmethod
+  def create(cls, *, apply_fn, params, tx, **kwargs) -> TrainState:
+    """Creates a state with `step=0` (int32) and `opt_state = tx.init(params)`.
+
+    Args:
+      apply_fn: usually `model.apply`.
+      params: the (float32 master) parameters.
+      tx: a loss-scaling optimizer, alone or inside an `optax.chain`.
+      **kwargs: other fields of a subclass, such as `batch_stats`.
+
+    Returns:
+      The new `TrainState`.
+
+    Raises:
+      ValueError: when `tx`'s state holds no (or more than one)
+        `lossscale.LossScaleState`.
+    """
+    state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+    find_state(state.opt_state)
+    return state.replace(step=jnp.zeros([], jnp.int32))
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    """The current loss scale, a float32 scalar (one per replica under pmap)."""
+    return get_loss_scale(self.opt_state)
+
+  @property
+  def skipped_steps(self) -> jax.Array:
+    """How many steps were skipped so far (int32)."""
+    return find_state(self.opt_state).skipped_steps

@@ -1,0 +1,244 @@
+"""Tests for lossscale.flax.TrainState and the nnx.Optimizer integration."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx, struct
+from flax.training import train_state
+
+import lossscale as ls
+from lossscale.flax import TrainState
+
+
+class Net(nn.Module):
+  """float16 compute, float32 parameters, BatchNorm so batch_stats exist."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Dense(8, dtype=jnp.float16)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=jnp.float16)(x)
+    return nn.Dense(1, dtype=jnp.float16)(nn.relu(x)).astype(jnp.float32)
+
+
+class BNState(TrainState):
+  batch_stats: dict
+
+
+class PlainBNState(train_state.TrainState):
+  batch_stats: dict
+
+
+def _data(n_steps):
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(4, 1)).astype(np.float32)
+  xs = rng.normal(size=(n_steps, 16, 4)).astype(np.float32)
+  return jnp.asarray(xs), jnp.asarray(2.0 * xs @ w + 3.0)
+
+
+def _loss(state, params, x, y):
+  out, updates = state.apply_fn(
+    {"params": params, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
+  )
+  return jnp.mean((out - y) ** 2), updates["batch_stats"]
+
+
+@jax.jit
+def _scaled_grads(state, x, y):
+  f = lambda p: _loss(state, p, x, y)
+  return ls.value_and_grad(f, has_aux=True)(state, state.params)
+
+
+@jax.jit
+def _apply(state, grads, stats):
+  return state.apply_gradients(grads=grads, batch_stats=stats)
+
+
+def _init(cls, tx):
+  variables = Net().init(jax.random.key(0), jnp.ones((2, 4)))
+  return cls.create(
+    apply_fn=Net().apply,
+    params=variables["params"],
+    batch_stats=variables["batch_stats"],
+    tx=tx,
+  )
+
+
+def _assert_trees_equal(a, b):
+  jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)
+
+
+def test_linen_skipped_step_leaves_state_unchanged_and_training_works():
+  xs, ys = _data(30)
+  bad_step = 10
+  xs = xs.at[bad_step, 0, 0].set(jnp.inf)  # inf in the forward pass
+  with jax.numpy_dtype_promotion("standard"):  # BatchNorm, optax.adam
+    state = _init(
+      BNState, ls.dynamic_loss_scale(optax.adam(5e-2), initial_scale=2.0**10)
+    )
+    # The reference: Flax's own TrainState and the bare optimizer, fed the
+    # unscaled gradients of the finite steps only.
+    ref = _init(PlainBNState, optax.adam(5e-2))
+    losses = []
+    for i in range(30):
+      before = state
+      (loss, stats), grads = _scaled_grads(state, xs[i], ys[i])
+      scale = state.loss_scale
+      state = _apply(state, grads, stats)
+      if i == bad_step:
+        assert not np.isfinite(float(loss))
+        assert int(state.step) == int(before.step)
+        _assert_trees_equal(state.params, before.params)
+        _assert_trees_equal(state.batch_stats, before.batch_stats)
+        assert float(state.loss_scale) == 2.0**9
+        assert int(state.skipped_steps) == 1
+        continue
+      unscaled = jax.tree.map(lambda g, s=scale: g * (1.0 / s), grads)
+      ref = _apply(ref, unscaled, stats)
+      losses.append(float(loss))
+      jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        (state.params, state.batch_stats, state.step),
+        (ref.params, ref.batch_stats, ref.step),
+      )
+  assert state.step.dtype == jnp.int32
+  assert int(state.step) == 29 == int(ref.step)
+  assert int(state.skipped_steps) == 1
+  assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5])
+
+
+def test_train_state_is_a_flax_train_state_and_reports_its_scale():
+  with jax.numpy_dtype_promotion("standard"):  # BatchNorm in float16
+    state = _init(BNState, ls.static_loss_scale(optax.sgd(0.1), 64.0))
+  assert isinstance(state, train_state.TrainState)
+  assert int(state.step) == 0 and state.step.dtype == jnp.int32
+  # `loss_scale` is a property, not a field: exactly one value in the tree.
+  found = optax.tree.get_all_with_path(state, "loss_scale")
+  assert len(found) == 1 and float(found[0][1]) == 64.0
+  assert float(optax.tree.get(state, "loss_scale")) == 64.0
+  assert float(ls.get_loss_scale(state)) == 64.0
+  assert float(ls.scale_loss(jnp.float16(0.5), state)) == 32.0
+  assert int(state.skipped_steps) == 0
+
+
+def test_train_state_inside_chain_and_with_extra_args():
+  params = {"w": jnp.ones(3)}
+  # Clipping inside the wrapper sees unscaled gradients.
+  inner = optax.chain(optax.clip(0.3), optax.sgd(1.0))
+  tx = optax.chain(optax.scale(1.0), ls.dynamic_loss_scale(inner, initial_scale=4.0))
+  state = TrainState.create(apply_fn=None, params=params, tx=tx)
+  step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+  state = step(state, {"w": jnp.array([0.4, -0.8, 2.0])})  # 4 x (0.1, -0.2, 0.5)
+  np.testing.assert_allclose(state.params["w"], [0.9, 1.2, 0.7], rtol=1e-6)
+  assert int(state.step) == 1
+  state = step(state, {"w": jnp.array([jnp.nan, 0.0, 0.0])})
+  np.testing.assert_allclose(state.params["w"], [0.9, 1.2, 0.7], rtol=1e-6)
+  assert int(state.step) == 1 and float(state.loss_scale) == 2.0
+
+
+def test_train_state_through_cond_keeps_types():
+  # The skipped and the applied state have identical types (no weak types).
+  state = TrainState.create(
+    apply_fn=None, params={"w": jnp.ones(2)}, tx=ls.dynamic_loss_scale(optax.sgd(0.1))
+  )
+
+  @jax.jit
+  def f(s, pred):
+    new = s.apply_gradients(grads={"w": jnp.ones(2)})
+    return jax.lax.cond(pred, lambda: new, lambda: s)
+
+  out = f(state, True)
+  assert int(out.step) == 1
+
+
+def test_create_without_loss_scaling_fails_clearly():
+  with pytest.raises(ValueError, match="LossScaleState"):
+    TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
+
+
+def test_kwargs_that_change_structure_fail_clearly():
+  class S(TrainState):
+    extra: dict = struct.field(default_factory=dict)
+
+  state = S.create(
+    apply_fn=None,
+    params={"w": jnp.ones(2)},
+    tx=ls.skip_nonfinite(optax.sgd(0.1)),
+    extra={"a": jnp.zeros(1)},
+  )
+  with pytest.raises(ValueError, match=r"apply_gradients\(extra=...\)"):
+    state.apply_gradients(grads={"w": jnp.ones(2)}, extra={"b": jnp.zeros(1)})
+
+
+def test_train_state_under_pmap():
+  n = 2
+  devices = jax.devices()[:n]
+  tx = ls.dynamic_loss_scale(optax.sgd(0.5), initial_scale=8.0, axis_name="batch")
+  state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
+  state = jax.tree.map(lambda x: jnp.stack([x] * n), state)
+
+  def step(state, x):
+    loss_fn = lambda p: jnp.sum(p["w"] * x)
+    _, grads = ls.value_and_grad(loss_fn)(state, state.params)
+    grads = jax.lax.pmean(grads, "batch")
+    return state.apply_gradients(grads=grads)
+
+  pstep = jax.pmap(step, axis_name="batch", devices=devices)
+  x = jnp.array([[1.0, 2.0], [3.0, 4.0]])
+  state = pstep(state, x)
+  # Mean gradient (2, 3), learning rate 0.5: w = 1 - (1, 1.5).
+  np.testing.assert_allclose(state.params["w"], [[0.0, -0.5]] * n, rtol=1e-6)
+  np.testing.assert_array_equal(state.step, [1, 1])
+  # An inf on one replica only: both skip, neither advances.
+  state = pstep(state, x.at[1, 0].set(jnp.inf))
+  np.testing.assert_allclose(state.params["w"], [[0.0, -0.5]] * n, rtol=1e-6)
+  np.testing.assert_array_equal(state.step, [1, 1])
+  np.testing.assert_array_equal(state.loss_scale, [4.0, 4.0])
+  np.testing.assert_array_equal(state.skipped_steps, [1, 1])
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(3, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.linear(x)
+
+
+def test_nnx_optimizer_skips_and_exposes_the_scale():
+  model = NnxNet(nnx.Rngs(0))
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=16.0)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  assert float(ls.get_loss_scale(optimizer)) == 16.0
+  w0 = np.asarray(model.linear.kernel[...])
+  b0 = np.asarray(model.linear.bias[...])
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    loss_fn = lambda m: jnp.mean((m(x) - y) ** 2)
+    loss, grads = ls.value_and_grad(loss_fn)(optimizer, model)
+    optimizer.update(model, grads)
+    return loss
+
+  x = jnp.array([[1.0, 2.0, 3.0], [0.5, -1.0, 2.0]])
+  y = jnp.array([[1.0], [0.0]])
+  # Reference: plain SGD on the unscaled float32 gradient, by hand.
+  pred = x @ w0 + b0
+  g_w = 2 * x.T @ (pred - y) / 2
+  g_b = jnp.sum(2 * (pred - y) / 2, axis=0)
+  loss = train_step(model, optimizer, x, y)
+  np.testing.assert_allclose(loss, jnp.mean((pred - y) ** 2), rtol=1e-6)
+  np.testing.assert_allclose(model.linear.kernel[...], w0 - 0.1 * g_w, rtol=1e-5)
+  np.testing.assert_allclose(model.linear.bias[...], b0 - 0.1 * g_b, rtol=1e-5)
+  assert float(ls.get_loss_scale(optimizer)) == 16.0
+
+  w1 = np.asarray(model.linear.kernel[...])
+  b1 = np.asarray(model.linear.bias[...])
+  train_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
+  np.testing.assert_array_equal(model.linear.kernel[...], w1)
+  np.testing.assert_array_equal(model.linear.bias[...], b1)
+  assert float(ls.get_loss_scale(optimizer)) == 8.0
+  assert int(optimizer.opt_state.skipped_steps[...]) == 1
+  assert float(ls.scale_loss(jnp.float32(2.0), optimizer)) == 16.0
