@@ -22,14 +22,17 @@ read `skipped_steps` from the state (see `docs/flax.md`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax.training import train_state
+from flax.training.train_state import OVERWRITE_WITH_GRADIENT
 
 from lossscale._access import find_state, get_loss_scale
+from lossscale._fused import apply_gradients
 
 __all__ = ["TrainState"]
 
@@ -41,20 +44,24 @@ class TrainState(train_state.TrainState):
   with `tx` a loss-scaling optimizer (`lossscale.dynamic_loss_scale`,
   `static_loss_scale` or `skip_nonfinite`, possibly inside an `optax.chain`).
   `apply_gradients(grads=...)` takes gradients of the *scaled* loss; on a
-  finite step it behaves exactly like Flax's, and on a skipped step it
+  finite step it gives the same result as Flax's, and on a skipped step it
   returns a state in which only the optimizer state changed (the loss scale
   backed off and `skipped_steps` grew)::
 
-      new = flax_apply_gradients(grads, **kwargs)
+      params, opt_state = lossscale.apply_gradients(tx, grads, opt_state, params)
       applied = (loss-scale state's consecutive_skips == 0)
       step   = step + 1 if applied else step
-      params = new.params if applied else params      # bit for bit
       kwargs fields = new values if applied else old values
 
-  `step` is a strongly typed int32 that saturates instead of wrapping and
-  counts applied updates only, like TensorFlow's `global_step` under
-  `LossScaleOptimizer`. The choice is a select (`jnp.where`), so it works
-  unchanged under `jax.jit`, `jax.pmap` and `jax.vmap`.
+  The optimizer step is `lossscale.apply_gradients`, the fused path: the
+  whole update sits behind one `lax.cond`, so a skipped step runs no
+  optimizer and returns the params bit for bit (Flax's float8
+  `OVERWRITE_WITH_GRADIENT` gradients go through Flax's own step instead,
+  with the params selected afterwards). `step` is a strongly typed int32
+  that saturates instead of wrapping and counts applied updates only, like
+  TensorFlow's `global_step` under `LossScaleOptimizer`. `step` and the
+  kwargs fields are chosen with a select (`jnp.where`), so it all works
+  under `jax.jit`, `jax.pmap` and `jax.vmap`.
 
   Attributes:
     loss_scale: the current loss scale (float32); a property, not a field,
@@ -95,7 +102,14 @@ class TrainState(train_state.TrainState):
         no (or more than one) loss-scaling state.
     """
     find_state(self.opt_state)  # Fails early with a clear message.
-    new = super().apply_gradients(grads=grads, **kwargs)
+    fp8 = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
+    if fp8:  # Flax's float8 path: Flax's own step, params selected below
+      new = super().apply_gradients(grads=grads, **kwargs)
+    else:
+      # The fused step: the whole update behind one `lax.cond`, so a skipped
+      # step runs no optimizer and the params come back untouched.
+      params, opt_state = apply_gradients(self.tx, grads, self.opt_state, self.params)
+      new = self.replace(params=params, opt_state=opt_state, **kwargs)
     applied = find_state(new.opt_state).consecutive_skips == 0
 
     def keep_old_on_skip(name: str, old: Any, value: Any) -> Any:
@@ -118,7 +132,8 @@ class TrainState(train_state.TrainState):
     old_step = jnp.asarray(self.step, jnp.int32)
     return new.replace(
       step=jnp.where(applied, optax.safe_increment(old_step), old_step),
-      params=keep_old_on_skip("params", self.params, new.params),
+      # The fused step already returned the old params on a skipped step.
+      params=keep_old_on_skip("params", self.params, new.params) if fp8 else new.params,
       **kept,
     )
 
