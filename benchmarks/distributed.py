@@ -42,21 +42,7 @@ import lossscale as ls
 AXIS = "batch"
 
 
-def pmean_gradients(axis_name):
-  """Averages every gradient leaf with `jax.lax.pmean` over `axis_name`.
-
-  A stand-in for `lossscale.cross_shard_mean(axis_name)`; switching is the
-  one line `average_gradients = ls.cross_shard_mean` below.
-  """
-
-  def update(updates, state, params=None):
-    del params
-    return jax.lax.pmean(updates, axis_name), state
-
-  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
-
-
-average_gradients = pmean_gradients
+average_gradients = ls.cross_shard_mean  # TF's CrossShardOptimizer(reduction=MEAN)
 
 
 def main(argv=None):
