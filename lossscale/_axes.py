@@ -35,9 +35,10 @@ def bound_collective(fn: str, axis_name: AxisName, collective: Callable[[], T]) 
   except NameError as e:
     raise NameError(
       f"`{fn}(axis_name={axis_name!r})` was called where the axis"
-      f" {axis_name!r} is not bound. Call the update inside"
-      f" `jax.pmap(..., axis_name={axis_name!r})` or inside `jax.shard_map`"
-      f" over a Mesh with an axis named {axis_name!r}; under plain `jax.jit`"
+      f" {axis_name!r} is not bound. Bind it with `pmap(axis_name=...)`, that"
+      f" is `jax.pmap(step, axis_name={axis_name!r})`, or with `shard_map`"
+      f" (`jax.shard_map`) over a Mesh with an axis named {axis_name!r};"
+      " under plain `jax.jit`"
       " with sharded arrays no axis name is needed (leave it None)."
       f" Original error: {e}"
     ) from e
