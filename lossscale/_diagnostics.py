@@ -107,16 +107,8 @@ def check_not_stalled(
   max_consecutive_skips = _validation.positive_int(
     fn, "max_consecutive_skips", max_consecutive_skips
   )
-  if min_scale is not None and not (
-    isinstance(min_scale, (int, float, np.floating, np.integer))
-    and not isinstance(min_scale, bool)
-    and np.isfinite(min_scale)
-    and min_scale > 0
-  ):
-    raise ValueError(
-      f"`{fn}(min_scale=...)` must be a positive finite number or None, got"
-      f" {min_scale!r}."
-    )
+  if min_scale is not None:
+    min_scale = _validation.positive_finite(fn, "min_scale", min_scale)
   state = find_state(x)
   consecutive = _concrete(fn, "state", state.consecutive_skips)
   worst = int(consecutive.max(initial=0))
