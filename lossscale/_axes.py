@@ -7,6 +7,8 @@ from typing import Any, TypeVar
 
 import jax
 
+from lossscale import _compat
+
 AxisName = Hashable | tuple[Hashable, ...]
 T = TypeVar("T")
 
@@ -24,7 +26,13 @@ def validate_axis_name(fn: str, axis_name: Any) -> AxisName | None:
       f" non-empty tuple of names, got {axis_name!r}."
     )
   for n in names:
-    hash(n)
+    try:
+      hash(n)
+    except TypeError:
+      raise ValueError(
+        f"`{fn}(axis_name=...)` must be hashable (a string such as 'batch', or"
+        f" a tuple of strings), got {axis_name!r}."
+      ) from None
   return axis_name
 
 
@@ -44,34 +52,48 @@ def bound_collective(fn: str, axis_name: AxisName, collective: Callable[[], T]) 
     ) from e
 
 
-def _varying_axes(aval: Any) -> frozenset:
-  """The manual axes a value varies over inside `shard_map` (empty outside)."""
-  manual = getattr(aval, "manual_axis_type", None)
-  if manual is not None:
-    return frozenset(manual.varying)
-  return frozenset(getattr(aval, "vma", None) or ())
-
-
-def cond(pred: Any, true_fn: Callable[[], T], false_fn: Callable[[], T]) -> T:
+def cond(
+  pred: Any,
+  true_fn: Callable[[], T],
+  false_fn: Callable[[], T],
+  *,
+  operands: Any,
+  true_out: Any = None,
+) -> T:
   """`jax.lax.cond` whose branches may differ in which axes they vary over.
 
-  Inside `jax.shard_map` a branch that computes from per-device values
-  returns "varying" arrays while one that returns constants or replicated
-  state does not, and `lax.cond` rejects the mismatch. Each output is cast
-  (`jax.lax.pcast`, free: no communication) to the union of both branches'
-  varying axes. Outside `shard_map` nothing is cast.
+  Inside `shard_map` a branch that computes from per-device values returns
+  "varying" arrays while one that returns constants or replicated state does
+  not, and `lax.cond` rejects the mismatch. Each output is then cast to the
+  union of both branches' varying axes (free: no communication).
+
+  Args:
+    pred: the scalar predicate.
+    true_fn: the branch taken when `pred` is true.
+    false_fn: the branch taken otherwise.
+    operands: every array the branches compute from. When none of them varies
+      over a manual axis (always so outside `shard_map`), no output can, and
+      the branches are traced by `lax.cond` alone.
+    true_out: `jax.eval_shape(true_fn)`, when the caller has it already; saves
+      one trace of `true_fn`.
+
+  Returns:
+    The output of the branch taken.
   """
+  leaves = jax.tree_util.tree_leaves((pred, operands))
+  if not any(_compat.varying_axes(x) for x in leaves if hasattr(x, "dtype")):
+    return jax.lax.cond(pred, true_fn, false_fn)
+  if true_out is None:
+    true_out = jax.eval_shape(true_fn)
   want = jax.tree.map(
-    lambda a, b: _varying_axes(a) | _varying_axes(b),
-    jax.eval_shape(true_fn),
+    lambda a, b: _compat.varying_axes(a) | _compat.varying_axes(b),
+    true_out,
     jax.eval_shape(false_fn),
   )
-  if not any(jax.tree.leaves(want, is_leaf=lambda x: isinstance(x, frozenset))):
-    return jax.lax.cond(pred, true_fn, false_fn)
 
   def cast(x, axes):
-    missing = tuple(sorted(axes - _varying_axes(jax.typeof(x)), key=str))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    missing = tuple(sorted(axes - _compat.varying_axes(x), key=str))
+    return _compat.cast_to_varying(x, missing) if missing else x
 
   def matched(fn):
     return lambda: jax.tree.map(cast, fn(), want)

@@ -74,14 +74,14 @@ def check_not_stalled(
       positive int (at most 2**31 - 1, where the counter saturates). The
       default, 100, is far above the 24 skips that back the largest default
       scale (2**24) off to 1.0.
-    min_scale: the wrapper's `min_scale`, when it is not the default 1.0;
-      only used to say in the message whether the scale is pinned at its
-      floor.
+    min_scale: the wrapper's `min_scale`, if known; only used to say in the
+      message whether the scale is pinned at its floor (the state does not
+      record it).
 
   Raises:
     LossScaleStalledError: when `consecutive_skips >= max_consecutive_skips`.
       The message gives the numbers (consecutive and total skips, the
-      current scale, whether it sits at `min_scale`) and the likely causes.
+      current scale) and the likely causes.
     ValueError: for an invalid `max_consecutive_skips` or `min_scale`, or
       when `x` does not hold exactly one `LossScaleState`.
     TypeError: when called on traced values (inside `jax.jit`).
@@ -126,16 +126,24 @@ def check_not_stalled(
     where = f" (batched or replicated state: members {stalled_members})"
     scale = float(np.broadcast_to(scales, consecutive.shape)[stalled].min())
     total = int(np.broadcast_to(skipped, consecutive.shape)[stalled].max())
-  floor = 1.0 if min_scale is None else float(np.float32(min_scale))
-  at_floor = scale <= floor
-  if at_floor:
+  if min_scale is None:
     scale_note = (
-      f"The loss scale is {scale:g}, pinned at min_scale={floor:g}: backing off"
-      " no longer helps, so the gradients are non-finite even unscaled."
+      f"The loss scale is now {scale:g}; a dynamic scale backs off to its"
+      " min_scale and stays there, and if it is there the gradients are"
+      " non-finite even unscaled (give check_not_stalled the wrapper's"
+      " min_scale to have this checked)."
+    )
+  elif scale <= float(np.float32(min_scale)):
+    scale_note = (
+      f"The loss scale is {scale:g}, at the min_scale={min_scale:g} you gave:"
+      " backing off no longer helps, so the gradients are non-finite even"
+      " unscaled."
     )
   else:
-    floor_note = "" if min_scale is not None else " (assuming min_scale=1.0)"
-    scale_note = f"The loss scale is {scale:g}, above min_scale={floor:g}{floor_note}."
+    scale_note = (
+      f"The loss scale is {scale:g}, above the min_scale={min_scale:g} you"
+      " gave: a dynamic scale is still backing off (a static one never does)."
+    )
   raise LossScaleStalledError(
     f"The last {worst} optimizer steps were all skipped{where} because the"
     f" gradients held inf or NaN ({total} skipped steps in total; limit"
@@ -181,7 +189,7 @@ def nonfinite_leaves(tree: Any) -> dict[str, int]:
     {}
   """
   found = {}
-  for path, leaf in jax.tree.leaves_with_path(tree):
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     leaf = _unwrap(leaf)
     if isinstance(leaf, jax.core.Tracer):
       _concrete("nonfinite_leaves", "tree", leaf)

@@ -74,20 +74,18 @@ def cross_shard_mean(
       message says how to bind it.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, numpy as np, optax
-    >>> from jax.sharding import PartitionSpec as P
+    >>> import jax, jax.numpy as jnp, optax
     >>> import lossscale as ls
-    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("batch",))
     >>> tx = optax.chain(ls.cross_shard_mean("batch"), optax.sgd(1.0))
     >>> params = {"w": jnp.zeros(2)}
     >>> state = tx.init(params)
-    >>> @jax.jit
-    ... @jax.shard_map(mesh=mesh, in_specs=(P("batch"), P()), out_specs=P())
-    ... def step(grads, params):
-    ...   updates, _ = tx.update({"w": grads[0]}, state, params)
+    >>> def step(grads, params):
+    ...   updates, _ = tx.update(grads, state, params)
     ...   return optax.apply_updates(params, updates)
-    >>> step(jnp.array([[2.0, -4.0]]), params)["w"]
-    Array([-2.,  4.], dtype=float32)
+    >>> grads = {"w": jnp.array([[2.0, -4.0]])}  # one replica's gradients
+    >>> params = jax.tree.map(lambda p: p[None], params)
+    >>> jax.pmap(step, axis_name="batch", devices=jax.devices()[:1])(grads, params)["w"]
+    Array([[-2.,  4.]], dtype=float32)
     >>> ls.cross_shard_mean("batch", reduction="max")
     Traceback (most recent call last):
     ...

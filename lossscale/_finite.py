@@ -39,15 +39,16 @@ def all_finite(tree: Any) -> jax.Array:
     >>> ls.all_finite({})
     Array(True, dtype=bool)
   """
-  # `sum(x * 0)` is 0 when every element is finite and NaN otherwise
-  # (inf * 0 = NaN, NaN propagates). XLA:CPU runs this float reduction
-  # without temporaries, where `all(isfinite(x))` materialises a bool array
-  # per leaf first (25 MB for 25M parameters); see docs/performance.md.
-  flags = [
-    jnp.isfinite(jnp.sum(x * jnp.zeros([], x.dtype)))
-    for x in jax.tree.leaves(tree)
-    if is_inexact(x)
-  ]
-  if not flags:
+  leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_inexact(x)]
+  if not leaves:
     return jnp.array(True)
+  if jax.config.jax_debug_nans:
+    # `jax.debug_nans` flags every NaN an operation produces, and the fast
+    # check below makes one from each inf: check element by element instead.
+    flags = [jnp.all(jnp.isfinite(x)) for x in leaves]
+  else:
+    # `sum(x * 0)` is 0 when every element is finite and NaN otherwise (inf * 0
+    # is NaN, NaN propagates): a float reduction with no temporaries, where
+    # `all(isfinite(x))` first writes a bool array per leaf (docs/performance.md).
+    flags = [jnp.isfinite(jnp.sum(x * jnp.zeros([], x.dtype))) for x in leaves]
   return jnp.all(jnp.stack(flags))

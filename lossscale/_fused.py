@@ -1,70 +1,103 @@
-"""`apply_gradients`: one jitted optimizer step that owns `apply_updates`.
+"""`apply_gradients`: the whole optimizer step behind one decision.
 
-The loss-scaling wrappers decide and skip *inside* `tx.update`, which cannot
-reach `optax.apply_updates`: the updates have to leave the wrapper as arrays
-(zeros on a skipped step) and be added to the parameters afterwards. When the
-caller hands over `apply_updates` too, the whole step can sit behind one
-`lax.cond`, so a finite step is the bare optimizer step plus the finite
-check, and a skipped step touches nothing but the gradients.
+The decision is passed in plain sight, through the wrapper's `update`
+(the protocol is described in `lossscale/_loss_scale.py`):
 
-The decision is the wrapper's own: `apply_gradients` traces `tx.update`
-three times under a trace-time mode that the wrapper (`_loss_scale._wrap`)
-consults, and the state machine (`_next_counters`) is the same code:
-
-1. probe: the wrapper computes its finite flag from the updates it receives
-   (after every transformation chained before it), records the flag and
-   those updates, and returns a skipped step. Nothing but the flag is used,
-   so XLA removes the rest.
-2. apply (the `lax.cond` true branch): the wrapper takes the recorded flag
-   and updates instead of recomputing them, and runs the inner optimizer.
-3. skip (the false branch): the wrapper returns zeros and the unchanged
-   inner state, exactly as `tx.update` would on a non-finite step.
+1. `tx.update(..., lossscale_finite=None)` runs the transformations chained
+   before the wrapper and the wrapper's finite check, and returns the
+   wrapper's `Decision` in place of its state. No optimizer runs.
+2. `lax.cond(decision.finite, applied, skipped)`: `applied` is
+   `tx.update(..., lossscale_finite=decision.finite)` followed by
+   `optax.apply_updates`; `skipped` returns the parameters and the whole
+   optimizer state as they were, except the wrapper's state, which is
+   `decision.skipped`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import threading
 from typing import Any
 
 import jax
 import optax
 
 from lossscale import _axes
+from lossscale._loss_scale import DECISION, Decision, LossScaleState
 
-PROBE, APPLY, SKIP = "probe", "apply", "skip"
-
-_local = threading.local()
-
-
-@dataclasses.dataclass
-class Trace:
-  """What one `apply_gradients` call tells the wrapper (trace time only)."""
-
-  mode: str
-  finite: jax.Array | None = None
-  incoming: Any = None
-  seen: list = dataclasses.field(default_factory=list)  # wrappers traced
+_is_state = lambda x: isinstance(x, LossScaleState)
+_is_decision = lambda x: isinstance(x, Decision)
 
 
-def active() -> Trace | None:
-  """The innermost `apply_gradients` trace, or None in ordinary use."""
-  stack = getattr(_local, "stack", None)
-  return stack[-1] if stack else None
+def _control_flow_containers() -> tuple[type, ...]:
+  # States of optax transformations that call their inner transformation
+  # inside `lax.cond`: a wrapper in there is not consulted on every step.
+  names = (
+    "MultiStepsState",
+    "ApplyIfFiniteState",
+    "ConditionallyMaskState",
+    "ConditionallyTransformState",
+  )
+  return tuple(getattr(optax, n) for n in names if hasattr(optax, n))
 
 
-class _Mode:
-  def __init__(self, trace: Trace):
-    self.trace = trace
+def _control_flow_error(where: str) -> ValueError:
+  return ValueError(
+    f"`apply_gradients(tx=...)`: the loss-scaling wrapper is called inside"
+    f" {where}, under that transformation's own control flow, so the"
+    " decision to skip cannot be taken before the step. Put the wrapper outside (for"
+    " example `dynamic_loss_scale(optax.MultiSteps(...).gradient_transformation())`"
+    " instead of `optax.MultiSteps(dynamic_loss_scale(...))`), or use"
+    " `tx.update` + `optax.apply_updates`."
+  )
 
-  def __enter__(self) -> Trace:
-    if not hasattr(_local, "stack"):
-      _local.stack = []
-    _local.stack.append(self.trace)
-    return self.trace
 
-  def __exit__(self, *exc) -> None:
-    _local.stack.pop()
+def _count_error(found: str) -> ValueError:
+  return ValueError(
+    "`apply_gradients(tx=...)` must contain exactly one loss-scaling wrapper"
+    " (dynamic_loss_scale, static_loss_scale or skip_nonfinite), found"
+    f" {found}."
+  )
+
+
+def _no_decision_error() -> ValueError:
+  return ValueError(
+    "`apply_gradients(tx=...)`: the loss-scaling wrapper did not receive the"
+    f" decision request (the `{DECISION}` keyword argument of `update`): a"
+    " transformation between `tx` and the wrapper does not pass extra keyword"
+    " arguments on (a plain optax.GradientTransformation, not"
+    " GradientTransformationExtraArgs). Build `tx` with optax.chain, or use"
+    " `tx.update` + `optax.apply_updates`."
+  )
+
+
+def _decide(tx, grads, opt_state, params, extra_args) -> Decision:
+  states = jax.tree_util.tree_leaves(opt_state, is_leaf=_is_state)
+  n_states = sum(map(_is_state, states))
+  if n_states != 1:
+    raise _count_error("none" if not n_states else str(n_states))
+  for node in jax.tree_util.tree_leaves(
+    opt_state, is_leaf=lambda x: isinstance(x, _control_flow_containers())
+  ):
+    if isinstance(node, _control_flow_containers()) and any(
+      map(_is_state, jax.tree_util.tree_leaves(node, is_leaf=_is_state))
+    ):
+      raise _control_flow_error(f"optax's {type(node).__name__[:-5]}")
+  try:
+    _, decided = tx.update(grads, opt_state, params, **extra_args, **{DECISION: None})
+  except (TypeError, ValueError) as e:
+    try:  # Does the ordinary step trace? Then the decision request broke it.
+      jax.eval_shape(lambda: tx.update(grads, opt_state, params, **extra_args))
+    except Exception:
+      raise e from None
+    if DECISION in str(e):
+      raise _no_decision_error() from e
+    raise _control_flow_error("another transformation") from e
+  decisions = [d for d in jax.tree_util.tree_leaves(decided, is_leaf=_is_decision)]
+  decisions = [d for d in decisions if _is_decision(d)]
+  if len(decisions) != 1:
+    if not decisions:
+      raise _no_decision_error()
+    raise _count_error(str(len(decisions)))
+  return decisions[0]
 
 
 def apply_gradients(
@@ -74,66 +107,43 @@ def apply_gradients(
   params: Any,
   **extra_args: Any,
 ) -> tuple[Any, optax.OptState]:
-  """Applies one loss-scaled optimizer step: `tx.update` + `apply_updates`.
+  """Applies one loss-scaled optimizer step, or skips all of it.
 
-  Gives the same `(new_params, new_opt_state)` as::
+  On a finite step the result equals
 
-      updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
-      new_params = optax.apply_updates(params, updates)
+  ```python
+  updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+  params = optax.apply_updates(params, updates)
+  ```
 
-  but decides *before* running the optimizer: the whole step sits behind one
-  `lax.cond`, so a skipped (non-finite) step costs only the finite check
-  and leaves `params` and the inner optimizer's state untouched, and a
-  finite step does not write its updates out as a separate array. `tx`
-  must hold exactly one `dynamic_loss_scale`, `static_loss_scale` or
-  `skip_nonfinite` wrapper, anywhere in a chain: the decision is the
-  wrapper's own (the same finite flag, computed after the transformations
-  chained before it, with the same `axis_name` collective, and the same
-  scale rule), so the loss scale, counters and every other state in `tx`
-  follow exactly the trajectory of `tx.update` + `optax.apply_updates`.
-
-  Call it inside `jax.jit` (with `donate_argnums` on `params` and
-  `opt_state`, returned in the same order they are passed: see the
-  performance guide). Measured on a 23M-parameter AdamW step on CPU, a
-  finite step costs the bare optimizer step plus the finite check
-  (1.2-1.3x), and a skipped step about half a bare step; `tx.update` +
-  `optax.apply_updates` costs over 2x there, for its parameter-sized
-  updates array (`docs/performance.md`).
-
-  Whether the step was applied can be read from the new state: the
-  wrapper's `consecutive_skips` is 0 after an applied step (this is how a
-  `TrainState` can count applied steps only).
-
-  Trade-offs against `tx.update` + `optax.apply_updates`:
-
-  - Only the parameters and state come back, not the updates.
-  - Transformations chained *after* the wrapper run on zeros on a skipped
-    step, as with `tx.update`, but inside the `lax.cond`; on a skipped step
-    the parameters come back as they were (XLA may fold `p + 0` to `p`, so
-    a `-0.0` parameter may keep its sign, where `apply_updates` gives
-    `+0.0`).
-  - The wrapper must be traced directly by `tx.update`, not inside another
-    transformation's `lax.cond` (`optax.MultiSteps(dynamic_loss_scale(...))`
-    is rejected; `dynamic_loss_scale(optax.MultiSteps(...))`, the order
-    that drops only a bad micro-batch, works).
-  - Under `jax.vmap` with per-member decisions the `lax.cond` becomes a
-    select and both branches run, as they do in the wrapper.
+  to rounding (XLA may contract the update and the addition differently). On
+  a non-finite step the whole step is skipped, as TensorFlow's
+  `LossScaleOptimizer.apply_gradients` did: `params` and every state in
+  `opt_state` come back bit for bit, including transformations chained after
+  the wrapper, and only the wrapper's scale and counters move. The decision
+  is the wrapper's own (its finite check after the transformations chained
+  before it, its `axis_name`), taken once, and the step sits behind one
+  `lax.cond`: a skipped step runs no optimizer, and a finite one writes no
+  separate updates array. Call it inside `jax.jit`, donating `params` and
+  `opt_state` (docs/performance.md).
 
   Args:
-    tx: a gradient transformation that contains exactly one loss-scaling
-      wrapper.
-    grads: gradients of the scaled loss (`lossscale.value_and_grad`).
+    tx: a transformation holding exactly one loss-scaling wrapper, anywhere
+      in a chain, but not inside another transformation's control flow
+      (`optax.MultiSteps`, `optax.apply_if_finite`, `optax.conditionally_*`).
+    grads: gradients of the scaled loss.
     opt_state: `tx`'s state.
-    params: the parameters; `optax.apply_updates` adds the updates to them.
-    **extra_args: forwarded to `tx.update` (for example `value`, `grad` and
-      `value_fn` for `optax.lbfgs`).
+    params: the parameters.
+    **extra_args: forwarded to `tx.update` (such as `value` for `optax.lbfgs`).
 
   Returns:
-    `(new_params, new_opt_state)`.
+    `(new_params, new_opt_state)`. Whether the step was applied is the
+    wrapper's `LossScaleState.last_finite`.
 
   Raises:
-    ValueError: when `tx` holds no loss-scaling wrapper, more than one, or
-      one traced inside another transformation's control flow.
+    TypeError: when `tx` is not an `optax.GradientTransformation`.
+    ValueError: when `tx` holds no loss-scaling wrapper, more than one, or one
+      that cannot be consulted before the step.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -148,43 +158,37 @@ def apply_gradients(
     >>> params, state = step({"w": jnp.array([jnp.nan, 1.0])}, state, params)
     >>> params["w"], ls.get_loss_scale(state), state.skipped_steps
     (Array([0.5, 2. ], dtype=float32), Array(2., dtype=float32), Array(1, dtype=int32))
+
+  References:
+    TensorFlow `LossScaleOptimizer.apply_gradients`.
   """
+  if isinstance(tx, optax.MultiSteps):
+    raise TypeError(
+      "`apply_gradients(tx=...)` must be an optax.GradientTransformation, got"
+      " an optax.MultiSteps object: pass `multi_steps.gradient_transformation()`."
+    )
   if not isinstance(tx, optax.GradientTransformation):
-    raise ValueError(
+    raise TypeError(
       "`apply_gradients(tx=...)` must be an optax.GradientTransformation,"
       f" got {type(tx).__name__} instead."
     )
-  with _Mode(Trace(PROBE)) as probe:
-    tx.update(grads, opt_state, params, **extra_args)
-  if len(probe.seen) > 1 and len(set(probe.seen)) == 1:
-    raise ValueError(_CONTROL_FLOW)
-  if len(probe.seen) != 1:
-    what = "no" if not probe.seen else str(len(probe.seen))
-    raise ValueError(
-      f"`apply_gradients(tx=...)` must contain exactly one loss-scaling"
-      f" wrapper (dynamic_loss_scale, static_loss_scale or skip_nonfinite),"
-      f" found {what}."
-    )
+  decision = _decide(tx, grads, opt_state, params, extra_args)
 
-  def branch(mode):
-    def step():
-      with _Mode(Trace(mode, probe.finite, probe.incoming)):
-        updates, new_state = tx.update(grads, opt_state, params, **extra_args)
+  def applied():
+    updates, new_state = tx.update(
+      grads, opt_state, params, **extra_args, **{DECISION: decision.finite}
+    )
+    # Half-precision parameters get float32 updates: `apply_updates` adds
+    # them in float32 and casts back, mixing dtypes on purpose.
+    with jax.numpy_dtype_promotion("standard"):
       return optax.apply_updates(params, updates), new_state
 
-    return step
+  def skipped():
+    new_state = jax.tree.map(
+      lambda x: decision.skipped if _is_state(x) else x, opt_state, is_leaf=_is_state
+    )
+    return params, new_state
 
-  try:
-    return _axes.cond(probe.finite, branch(APPLY), branch(SKIP))
-  except jax.errors.UnexpectedTracerError as e:
-    raise ValueError(_CONTROL_FLOW) from e
-
-
-_CONTROL_FLOW = (
-  "`apply_gradients(tx=...)`: the loss-scaling wrapper is traced inside"
-  " another transformation's control flow (such as"
-  " optax.MultiSteps(dynamic_loss_scale(...))), so its decision cannot be"
-  " taken before the step. Put the wrapper outside (for example"
-  " dynamic_loss_scale(optax.MultiSteps(...))), or use tx.update +"
-  " optax.apply_updates."
-)
+  return _axes.cond(
+    decision.finite, applied, skipped, operands=(grads, opt_state, params)
+  )

@@ -1,29 +1,31 @@
 """Loss-scaling optax wrappers: one state machine behind three factories.
 
-The rule, in pseudo-code (the dynamic case; `static_loss_scale` and
-`skip_nonfinite` keep the scale fixed and only skip)::
+`dynamic_loss_scale`, `static_loss_scale` and `skip_nonfinite` all build
+`_wrap`; they differ only in the fixed settings of `_Rule`. The rule itself is
+the pure function `_next_counters`; `dynamic_loss_scale`'s docstring states it
+and docs/how-it-works.md explains it.
 
-    u = grads * (1 / loss_scale)              # in float32 (or wider)
-    finite = all(isfinite(u))                 # reduced over `axis_name`, if set
-    if finite:
-      updates, inner_state = inner.update(u, inner_state, params, **extra)
-      good += 1
-      if good == growth_interval:
-        loss_scale = min(loss_scale * growth_factor, max_scale)
-        good = 0
-        hysteresis_left = hysteresis
-    else:
-      updates = zeros; inner_state unchanged  # bit for bit
-      skipped_steps += 1
-      good = 0
-      hysteresis_left -= 1
-      if hysteresis_left <= 0:
-        loss_scale = max(loss_scale * backoff_factor, min_scale)
-    consecutive_skips = 0 if finite else consecutive_skips + 1
+The decision protocol (used by `lossscale.apply_gradients` only)
+-----------------------------------------------------------------
+A wrapper's `update` takes one optional keyword argument, `DECISION`, which
+`optax.chain` and every other optax combinator pass along like any extra
+argument, and which `jax.jit` sees like any other argument:
 
-With `hysteresis=1` this is `torch.amp.GradScaler`'s trajectory; with
-`hysteresis=h` it is Megatron-LM's `DynamicGradScaler`. Growth happens on
-exactly the `growth_interval`-th consecutive finite step.
+- absent: the ordinary step. The wrapper unscales, decides, and applies or
+  skips the inner optimizer inside its own `lax.cond`.
+- `None`: decide only. The wrapper unscales and decides, runs no inner
+  optimizer, and returns zero updates (so transformations chained after it can
+  be traced) and, in place of its state, a `Decision`: the finite flag and the
+  state a skipped step would leave.
+- a bool array: apply this decision, taken by a previous call with `None` from
+  exactly these gradients. The wrapper runs the inner optimizer without a
+  `lax.cond` of its own and advances its counters with that flag.
+
+`Decision` is a different pytree from `LossScaleState` on purpose: a wrapper
+traced inside another transformation's control flow (`optax.MultiSteps`,
+`optax.apply_if_finite`, ...) cannot return it without breaking that control
+flow's type check, so a decision that was not taken on every step cannot go
+unnoticed.
 """
 
 from __future__ import annotations
@@ -35,8 +37,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale import _axes, _fused, _validation
+from lossscale import _axes, _validation
 from lossscale._finite import all_finite, is_inexact
+
+DECISION = "lossscale_finite"
+"""The keyword argument of a wrapper's `update` that carries a decision."""
+
+_ORDINARY = object()  # no `DECISION` argument: the ordinary step
 
 
 class LossScaleState(NamedTuple):
@@ -46,17 +53,18 @@ class LossScaleState(NamedTuple):
   that can be jitted, vmapped, sharded and checkpointed.
 
   Attributes:
-    loss_scale: the current loss scale, a float32 scalar in
-      `[min_scale, max_scale]`; multiply the loss by it before
-      differentiating (`lossscale.scale_loss`).
+    loss_scale: float32 scalar, the current loss scale, in
+      `[min_scale, max_scale]`. Multiply the loss by it before differentiating
+      (`lossscale.scale_loss`).
     good_steps: int32, consecutive finite steps since the scale last changed
-      (or since the last skipped step).
-    hysteresis_left: int32, how many more non-finite steps are tolerated
-      before the scale backs off (Megatron-LM's hysteresis tracker).
-    skipped_steps: int32, total number of skipped (non-finite) steps.
-    consecutive_skips: int32, skipped steps since the last applied step; a
-      large value means training has stalled (see
+      or the last skipped step.
+    hysteresis_left: int32, non-finite steps still tolerated before the scale
+      backs off.
+    skipped_steps: int32, total number of skipped steps.
+    consecutive_skips: int32, skipped steps since the last applied one (see
       `lossscale.check_not_stalled`).
+    last_finite: bool, whether the last step's gradients were finite, that is
+      whether its update was applied.
     inner_state: the wrapped optimizer's state, untouched on skipped steps.
   """
 
@@ -65,7 +73,21 @@ class LossScaleState(NamedTuple):
   hysteresis_left: jax.Array
   skipped_steps: jax.Array
   consecutive_skips: jax.Array
+  last_finite: jax.Array
   inner_state: optax.OptState
+
+
+class Decision(NamedTuple):
+  """What a wrapper returns in place of its state when asked to decide only.
+
+  Attributes:
+    finite: bool, whether the step's gradients are finite (reduced over the
+      wrapper's `axis_name`).
+    skipped: the wrapper's `LossScaleState` after skipping this step.
+  """
+
+  finite: jax.Array
+  skipped: LossScaleState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +97,12 @@ class _Rule:
   initial_scale: float
   scaled: bool  # False: `skip_nonfinite`, gradients are used as they are.
   dynamic: bool
+  enabled: bool = True  # False: exactly `inner`, no scaling, no skipping.
   growth_interval: int = 1
   growth_factor: float = 1.0
   backoff_factor: float = 1.0
   hysteresis: int = 1
+  reset_hysteresis_on_backoff: bool = False
   min_scale: float = 1.0
   max_scale: float = 1.0
 
@@ -92,49 +116,56 @@ def _init_counters(rule: _Rule) -> dict[str, jax.Array]:
     hysteresis_left=jnp.asarray(rule.hysteresis, jnp.int32),
     skipped_steps=jnp.zeros([], jnp.int32),
     consecutive_skips=jnp.zeros([], jnp.int32),
+    last_finite=jnp.ones([], jnp.bool_),
   )
 
 
 def _next_counters(
   rule: _Rule, state: LossScaleState, finite: jax.Array
 ) -> dict[str, jax.Array]:
-  """The scale-adjustment rule (the module docstring's pseudo-code)."""
+  """The scale-adjustment rule (stated in `dynamic_loss_scale`'s docstring)."""
   zero = jnp.zeros([], jnp.int32)
   skipped = jnp.where(
     finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
   )
   consecutive = jnp.where(finite, zero, optax.safe_increment(state.consecutive_skips))
   good = jnp.where(finite, optax.safe_increment(state.good_steps), zero)
+  counters = dict(
+    loss_scale=state.loss_scale,
+    good_steps=good,
+    hysteresis_left=state.hysteresis_left,
+    skipped_steps=skipped,
+    consecutive_skips=consecutive,
+    last_finite=jnp.asarray(finite, jnp.bool_),
+  )
   if not rule.dynamic:
-    return dict(
-      loss_scale=state.loss_scale,
-      good_steps=good,
-      hysteresis_left=state.hysteresis_left,
-      skipped_steps=skipped,
-      consecutive_skips=consecutive,
-    )
+    return counters
 
   f32 = jnp.float32
   scale = state.loss_scale
+  refill = jnp.asarray(rule.hysteresis, jnp.int32)
   grow = jnp.logical_and(finite, good >= rule.growth_interval)
   # Saturates at 0: "h -= 1; if h <= 0" behaves the same and cannot wrap.
   h_after_overflow = jnp.maximum(state.hysteresis_left - 1, zero)
   back_off = jnp.logical_and(jnp.logical_not(finite), h_after_overflow <= 0)
+  if rule.reset_hysteresis_on_backoff:
+    h_after_overflow = jnp.where(back_off, refill, h_after_overflow)
   grown = jnp.minimum(scale * f32(rule.growth_factor), f32(rule.max_scale))
   shrunk = jnp.maximum(scale * f32(rule.backoff_factor), f32(rule.min_scale))
-  new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, scale))
-  hysteresis_left = jnp.where(
-    finite,
-    jnp.where(grow, jnp.asarray(rule.hysteresis, jnp.int32), state.hysteresis_left),
-    h_after_overflow,
-  )
-  return dict(
-    loss_scale=new_scale,
+  counters.update(
+    loss_scale=jnp.where(grow, grown, jnp.where(back_off, shrunk, scale)),
     good_steps=jnp.where(grow, zero, good),
-    hysteresis_left=hysteresis_left,
-    skipped_steps=skipped,
-    consecutive_skips=consecutive,
+    hysteresis_left=jnp.where(
+      finite, jnp.where(grow, refill, state.hysteresis_left), h_after_overflow
+    ),
   )
+  return counters
+
+
+def _compute_dtype(dtype: Any) -> Any:
+  """The wider of float32 and `dtype` (by hand: strict promotion forbids
+  `promote_types(float32, float16)`); complex dtypes are wide enough."""
+  return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
 
 
 def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
@@ -144,17 +175,58 @@ def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
   def leaf(g):
     if not is_inexact(g):
       return g
-    # The wider of float32 and the leaf's dtype (complex64/128 are already
-    # at least as wide); computed by hand, as strict promotion forbids
-    # `promote_types(float32, float16)`.
-    dtype = g.dtype if jnp.finfo(g.dtype).bits >= 32 else jnp.dtype(jnp.float32)
+    dtype = _compute_dtype(g.dtype)
     return g.astype(dtype) * inv.astype(dtype)
 
   return jax.tree.map(leaf, grads)
 
 
+def _like(new: Any, old: Any) -> Any:
+  """Casts the inexact leaves of `new` to the dtypes of `old`'s leaves.
+
+  The inner optimizer computes from float32 gradients; this keeps its state
+  in the dtypes `inner.init(params)` chose (bfloat16 moments stay bfloat16).
+  """
+  if jax.tree.structure(new) != jax.tree.structure(old):
+    return new
+
+  def leaf(n, o):
+    if is_inexact(n) and is_inexact(o) and n.dtype != o.dtype:
+      return n.astype(o.dtype)
+    return n
+
+  return jax.tree.map(leaf, new, old)
+
+
+def _check_inner(fn: str, inner: Any) -> None:
+  if isinstance(inner, optax.MultiSteps):
+    raise TypeError(
+      f"`{fn}(inner=...)` must be an optax.GradientTransformation, got an"
+      " optax.MultiSteps object: pass `multi_steps.gradient_transformation()`."
+    )
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(
+      f"`{fn}(inner=...)` must be an optax.GradientTransformation, got"
+      f" {type(inner).__name__} instead."
+    )
+
+
+def _check_state(fn: str, state: Any) -> None:
+  if not isinstance(state, LossScaleState):
+    raise TypeError(
+      f"`{fn}(...).update` expects the lossscale.LossScaleState that the"
+      f" wrapper's `init` builds, got {type(state).__name__} instead. Build"
+      " the state with `tx.init(params)` of the same wrapper (an optimizer"
+      " state saved without the wrapper cannot be resumed as one)."
+    )
+
+
 def _check_matches_params(fn: str, grads: Any, params: Any) -> None:
-  """Raises a clear error when `grads` cannot be the gradient of `params`."""
+  """Raises a clear error when `grads` cannot be the gradient of `params`.
+
+  A gradient may carry leading dimensions the parameter lacks: per-example
+  gradients, shaped `(batch, *param.shape)`, as `optax.contrib.dpsgd` takes.
+  """
   if params is None:
     return
   g_def, p_def = jax.tree.structure(grads), jax.tree.structure(params)
@@ -165,15 +237,25 @@ def _check_matches_params(fn: str, grads: Any, params: Any) -> None:
       f" {p_def}"
     )
   for (path, g), p in zip(
-    jax.tree.leaves_with_path(grads), jax.tree.leaves(params), strict=True
+    jax.tree_util.tree_leaves_with_path(grads),
+    jax.tree_util.tree_leaves(params),
+    strict=True,
   ):
     g_shape, p_shape = getattr(g, "shape", None), getattr(p, "shape", None)
-    if g_shape is not None and p_shape is not None and g_shape != p_shape:
+    if g_shape is None or p_shape is None:
+      continue
+    if len(g_shape) < len(p_shape) or g_shape[len(g_shape) - len(p_shape) :] != p_shape:
       where = jax.tree_util.keystr(path) or "the root"
       raise ValueError(
-        f"`{fn}`: the gradient at {where} has shape {g_shape},"
-        f" but the parameter there has shape {p_shape}."
+        f"`{fn}`: the gradient at {where} has shape {g_shape}, but the"
+        f" parameter there has shape {p_shape} (a gradient has the"
+        " parameter's shape, or per-example gradients a leading batch"
+        " dimension before it)."
       )
+
+
+def _zeros(shapes: Any) -> Any:
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def _wrap(
@@ -183,20 +265,14 @@ def _wrap(
   axis_name: _axes.AxisName | None,
 ) -> optax.GradientTransformationExtraArgs:
   """Builds the wrapper; the one place the skip-and-adjust logic lives."""
-  if not isinstance(inner, optax.GradientTransformation):
-    raise TypeError(
-      f"`{fn}(inner=...)` must be an optax.GradientTransformation, got"
-      f" {type(inner).__name__} instead."
-    )
+  _check_inner(fn, inner)
   inner = optax.with_extra_args_support(inner)
-  rule_id = object()  # tells `apply_gradients` one wrapper traced twice apart
 
   def init_fn(params):
     return LossScaleState(**_init_counters(rule), inner_state=inner.init(params))
 
-  def decide(updates, loss_scale):
-    u = _unscale(updates, loss_scale) if rule.scaled else updates
-    finite = all_finite(u)
+  def decide(unscaled):
+    finite = all_finite(unscaled)
     if axis_name is not None:
       # One scalar collective: every replica takes the same decision.
       finite = _axes.bound_collective(
@@ -205,43 +281,49 @@ def _wrap(
     return finite
 
   def update_fn(updates, state, params=None, **extra_args):
+    given = extra_args.pop(DECISION, _ORDINARY)
+    _check_state(fn, state)
+    if not rule.enabled:
+      step = lambda: inner.update(updates, state.inner_state, params, **extra_args)
+      if given is None:
+        return _zeros(jax.eval_shape(step)[0]), Decision(jnp.ones([], jnp.bool_), state)
+      new_updates, inner_state = step()
+      return new_updates, state._replace(inner_state=inner_state)
+
     _check_matches_params(fn, updates, params)
-    fused = _fused.active()  # set only while `lossscale.apply_gradients` traces
-    if fused is None or fused.mode == _fused.PROBE:
-      finite = decide(updates, state.loss_scale)
-      if fused is not None:
-        fused.seen.append(rule_id)
-        fused.finite, fused.incoming = finite, updates
-    else:
-      # Inside `apply_gradients`' cond: the decision was taken before it,
-      # from exactly these updates; recomputing them here would be dead code.
-      finite, updates = fused.finite, fused.incoming
+    unscaled = _unscale(updates, state.loss_scale) if rule.scaled else updates
+    finite = decide(unscaled) if given is _ORDINARY or given is None else given
 
     def apply():
-      u = _unscale(updates, state.loss_scale) if rule.scaled else updates
-      # A select, not a multiply: where `lax.cond` runs both branches (under
-      # `jax.vmap` with a batched flag) the inner optimizer sees zeros, not
-      # inf/NaN, so nothing non-finite is ever computed.
-      u = jax.tree.map(
-        lambda x: jnp.where(finite, x, jnp.zeros_like(x)) if is_inexact(x) else x, u
+      # A select, not a multiply: where both branches run (`jax.vmap` with a
+      # per-member flag) the inner optimizer sees zeros, never inf or NaN.
+      safe = jax.tree.map(
+        lambda x: jnp.where(finite, x, jnp.zeros_like(x)) if is_inexact(x) else x,
+        unscaled,
       )
-      return inner.update(u, state.inner_state, params, **extra_args)
+      new_updates, inner_state = inner.update(
+        safe, state.inner_state, params, **extra_args
+      )
+      return new_updates, _like(inner_state, state.inner_state)
 
-    def skip():
-      # Exact zeros of the dtypes the finite path returns; state untouched.
-      shapes = jax.eval_shape(apply)[0]
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-      return zeros, state.inner_state
-
-    if fused is None:
-      # `lax.cond`, not a select: a skipped step runs nothing, and a finite
-      # step runs the inner optimizer in place on its state (see the
-      # `dynamic_loss_scale` docstring for the numbers).
-      new_updates, inner_state = _axes.cond(finite, apply, skip)
-    elif fused.mode == _fused.APPLY:
-      new_updates, inner_state = apply()
+    if given is None:  # decide only
+      skipped = LossScaleState(
+        **_next_counters(rule, state, finite), inner_state=state.inner_state
+      )
+      return _zeros(jax.eval_shape(apply)[0]), Decision(finite, skipped)
+    if given is _ORDINARY:
+      # `lax.cond`: a skipped step runs no optimizer, a finite one updates
+      # the inner state in place (docs/performance.md has the measurements).
+      out = jax.eval_shape(apply)
+      new_updates, inner_state = _axes.cond(
+        finite,
+        apply,
+        lambda: (_zeros(out[0]), state.inner_state),
+        operands=(updates, state, params),
+        true_out=out,
+      )
     else:
-      new_updates, inner_state = skip()
+      new_updates, inner_state = apply()
     return new_updates, LossScaleState(
       **_next_counters(rule, state, finite), inner_state=inner_state
     )
@@ -260,94 +342,62 @@ def dynamic_loss_scale(
   min_scale: float = 1.0,
   max_scale: float = 2.0**24,
   axis_name: _axes.AxisName | None = None,
+  reset_hysteresis_on_backoff: bool = False,
+  enabled: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` with dynamic loss scaling and skip-on-overflow.
 
-  Feed the returned transformation gradients of the *scaled* loss
-  (`lossscale.scale_loss` or `lossscale.value_and_grad`). Each `update`
-  divides them by the current scale in float32, checks that every element is
-  finite and then either applies `inner` (finite step) or skips: the updates
-  are exact zeros and `inner`'s state is left bit-for-bit unchanged, so
-  schedules and step counts inside `inner` do not advance. The scale then
-  grows by `growth_factor` on exactly the `growth_interval`-th consecutive
-  finite step and backs off by `backoff_factor` once `hysteresis` non-finite
-  steps have been seen since the last growth::
+  `update` takes gradients of the *scaled* loss (`lossscale.scale_loss`,
+  `lossscale.value_and_grad`), divides them by the scale in float32 and
+  checks them. A finite step runs `inner` on the unscaled gradients; a
+  non-finite step returns zero updates and leaves `inner`'s state bit for bit
+  (transformations chained *after* the wrapper still run, on those zeros;
+  `lossscale.apply_gradients` skips them too). Then the scale moves:
 
-      finite:      good += 1
-                   if good == growth_interval:
-                     scale = min(scale * growth_factor, max_scale)
-                     good = 0; h = hysteresis
-      non-finite:  good = 0; h -= 1
-                   if h <= 0: scale = max(scale * backoff_factor, min_scale)
+  ```
+  finite:      good += 1
+               if good == growth_interval:
+                 scale = min(scale * growth_factor, max_scale); good = 0; h = hysteresis
+  non-finite:  good = 0; h -= 1
+               if h <= 0:
+                 scale = max(scale * backoff_factor, min_scale)
+                 if reset_hysteresis_on_backoff: h = hysteresis
+  ```
 
-  With `hysteresis=1` the scale follows `torch.amp.GradScaler`; with
-  `hysteresis=2` Megatron-LM's `DynamicGradScaler`.
-
-  Skipping uses `lax.cond`, not a select (`jnp.where`), chosen by
-  measurement (`benchmarks/optimizer_step.py`, 25M float32 parameters,
-  AdamW, XLA:CPU): with selects on the updates and the state XLA
-  recomputes the new moments from the old ones inside the parameter update
-  and copies the donated moment buffers to keep them alive, about 5x a bare
-  step with 200 MB of temporaries, and a skipped step costs as much as a
-  finite one. With `lax.cond` a skipped step never runs the inner
-  optimizer, and a finite step runs it in place; what is left over is the
-  updates array the wrapper must hand to `optax.apply_updates`, one
-  parameter-sized temporary. Where the whole step can be compiled
-  together, `lossscale.apply_gradients` puts `apply_updates` inside the
-  same `lax.cond` and removes that too (see `docs/performance.md`). Under
-  `jax.vmap` with a per-member flag the `lax.cond` becomes a select: the
-  inner optimizer then runs on zeros for skipped members, so no inf or NaN
-  is ever computed into the state.
-
-  Distributed training: with `axis_name` (a name or tuple of names bound by
-  `jax.pmap` or `jax.shard_map`) the finite flag is reduced across those axes
-  with one scalar collective, so all replicas skip together. Without it the
-  decision is still the same on every replica when gradients were averaged
-  first (`optax.chain(lossscale.cross_shard_mean(axis), ...)`), because an inf
-  or NaN on any replica propagates through the all-reduce. Under SPMD
-  `jax.jit` on sharded arrays no axis name is needed.
-
-  Gradient leaves: float16 and bfloat16 gradients are unscaled (and reach
-  `inner`) in float32, float32 and float64 in their own dtype; complex
-  gradients are unscaled in their own dtype and are non-finite when either
-  part is. Integer, boolean and `float0` leaves (the latter from
-  `jax.grad(..., allow_int=True)`) cannot hold inf or NaN: the finite check
-  ignores them and they reach `inner` as they are, not divided by the scale,
-  so mask them out of `inner` (`optax.masked`); like every update they are
-  zeros on a skipped step. `None` and `optax.MaskedNode` entries are empty
-  subtrees and pass through. When `params` is given to `update`, gradients
-  whose tree or shapes differ from it raise a `ValueError` before anything
-  is computed; without `params` the mismatch surfaces in `inner` or in
-  `optax.apply_updates`. A step that never stops overflowing is skipped
-  forever, never applied: see `lossscale.check_not_stalled`.
+  `inner` sees float32 gradients (or wider), and its state keeps the dtypes
+  `inner.init(params)` gave it: bfloat16 or float16 parameters keep
+  half-precision optimizer states, with no retrace. With `axis_name`
+  the finite flag is reduced over that mapped axis, so all replicas skip
+  together; without it they still agree when the gradients were averaged
+  first (`lossscale.cross_shard_mean`). See docs/how-it-works.md.
 
   Args:
-    inner: the optimizer to wrap; any `optax.GradientTransformation`. Extra
-      arguments of `update` (such as `value`, `grad`, `value_fn` for
-      `optax.lbfgs`) are forwarded.
-    initial_scale: the first loss scale, within `[min_scale, max_scale]`.
+    inner: the optimizer to wrap, any `optax.GradientTransformation`; extra
+      arguments of `update` (such as `value` for `optax.lbfgs`) are forwarded.
+    initial_scale: the first scale, within `[min_scale, max_scale]`.
     growth_interval: consecutive finite steps after which the scale grows.
     growth_factor: multiplier on growth, `>= 1`.
     backoff_factor: multiplier on back-off, in `(0, 1]`.
-    hysteresis: non-finite steps tolerated (since the last growth) before the
-      scale backs off, `>= 1`.
-    min_scale: the scale never goes below this (positive).
-    max_scale: the scale never goes above this.
-    axis_name: optional axis name(s) over which the finite flag is reduced.
+    hysteresis: non-finite steps tolerated before the scale backs off.
+    min_scale: the lowest scale, a normal float32 (`>= 2**-126`).
+    max_scale: the highest scale, a finite float32.
+    axis_name: axis name(s) over which the finite flag is reduced.
+    reset_hysteresis_on_backoff: refill `h` after each back-off too, so the
+      scale backs off on every `hysteresis`-th overflow since it last changed.
+    enabled: `False` gives exactly `inner` (no scaling, no skipping) with the
+      same state structure and a loss scale of 1.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` whose state is a
-    `LossScaleState`.
+    An `optax.GradientTransformationExtraArgs` with a `LossScaleState`.
 
   Raises:
-    ValueError: at construction, for an invalid setting (the message names
-      the argument and the value).
+    ValueError: at construction, for an invalid setting (naming it).
+    TypeError: when `inner` is not an `optax.GradientTransformation`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
     >>> import lossscale as ls
-    >>> tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=4.0,
-    ...                            growth_interval=2)
+    >>> tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=4.0)
     >>> params = {"w": jnp.ones(2)}
     >>> state = tx.init(params)
     >>> grads = {"w": jnp.array([4.0, -8.0])}  # gradients of loss * 4
@@ -358,23 +408,23 @@ def dynamic_loss_scale(
     >>> updates, state = jax.jit(tx.update)(bad, state, params)
     >>> updates["w"], ls.get_loss_scale(state), state.skipped_steps
     (Array([0., 0.], dtype=float32), Array(2., dtype=float32), Array(1, dtype=int32))
+
+  References:
+    PyTorch `torch.amp.GradScaler` (`hysteresis=1`); Megatron-LM
+    `DynamicGradScaler` (`hysteresis=2`); TensorFlow
+    `ExponentialUpdateLossScaleManager` (`reset_hysteresis_on_backoff=True`);
+    Micikevicius et al., "Mixed Precision Training", ICLR 2018.
   """
   fn = "dynamic_loss_scale"
   v = _validation
-  min_scale = v.float32_representable(
-    fn, "min_scale", v.positive_finite(fn, "min_scale", min_scale)
-  )
-  max_scale = v.float32_representable(
-    fn, "max_scale", v.positive_finite(fn, "max_scale", max_scale)
-  )
+  min_scale = v.float32_scale(fn, "min_scale", min_scale)
+  max_scale = v.float32_scale(fn, "max_scale", max_scale)
   if min_scale > max_scale:
     raise ValueError(
       f"`{fn}(min_scale=..., max_scale=...)` need min_scale <= max_scale,"
       f" got min_scale={min_scale!r} > max_scale={max_scale!r}."
     )
-  initial_scale = v.float32_representable(
-    fn, "initial_scale", v.positive_finite(fn, "initial_scale", initial_scale)
-  )
+  initial_scale = v.float32_scale(fn, "initial_scale", initial_scale)
   if not min_scale <= initial_scale <= max_scale:
     raise ValueError(
       f"`{fn}(initial_scale=...)` must lie within [min_scale, max_scale] ="
@@ -388,10 +438,20 @@ def dynamic_loss_scale(
     growth_factor=v.at_least_one(fn, "growth_factor", growth_factor),
     backoff_factor=v.in_unit_interval(fn, "backoff_factor", backoff_factor),
     hysteresis=v.positive_int(fn, "hysteresis", hysteresis),
+    reset_hysteresis_on_backoff=v.boolean(
+      fn, "reset_hysteresis_on_backoff", reset_hysteresis_on_backoff
+    ),
     min_scale=min_scale,
     max_scale=max_scale,
   )
-  return _wrap(fn, inner, rule, _axes.validate_axis_name(fn, axis_name))
+  return _build(fn, inner, rule, axis_name, enabled)
+
+
+def _build(fn, inner, rule, axis_name, enabled):
+  axis_name = _axes.validate_axis_name(fn, axis_name)
+  if not _validation.boolean(fn, "enabled", enabled):
+    rule = _Rule(initial_scale=1.0, scaled=False, dynamic=False, enabled=False)
+  return _wrap(fn, inner, rule, axis_name)
 
 
 def static_loss_scale(
@@ -399,25 +459,27 @@ def static_loss_scale(
   loss_scale: float,
   *,
   axis_name: _axes.AxisName | None = None,
+  enabled: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` with a fixed loss scale and skip-on-overflow.
 
-  Like `dynamic_loss_scale`, but the scale never changes (TensorFlow's
-  `FixedLossScaleManager`). Non-finite steps are still skipped: zero
-  updates, `inner`'s state bit-for-bit unchanged, `skipped_steps` counted.
+  Like `dynamic_loss_scale` with a scale that never changes: non-finite
+  steps are still skipped (zero updates, `inner`'s state bit for bit,
+  `skipped_steps` counted).
 
   Args:
-    inner: the optimizer to wrap; any `optax.GradientTransformation`.
-    loss_scale: the fixed scale, a positive finite number.
-    axis_name: optional axis name(s) over which the finite flag is reduced
-      (see `dynamic_loss_scale`).
+    inner: the optimizer to wrap, any `optax.GradientTransformation`.
+    loss_scale: the fixed scale, a normal float32 (`>= 2**-126`).
+    axis_name: axis name(s) over which the finite flag is reduced.
+    enabled: `False` gives exactly `inner` (no scaling, no skipping) with the
+      same state structure and a loss scale of 1.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` whose state is a
-    `LossScaleState`.
+    An `optax.GradientTransformationExtraArgs` with a `LossScaleState`.
 
   Raises:
-    ValueError: at construction, when `loss_scale` is not positive and finite.
+    ValueError: at construction, for an invalid setting (naming it).
+    TypeError: when `inner` is not an `optax.GradientTransformation`.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -427,15 +489,16 @@ def static_loss_scale(
     >>> updates, state = tx.update({"w": jnp.array([64.0])}, state)
     >>> updates["w"], ls.get_loss_scale(state)
     (Array([-0.5], dtype=float32), Array(128., dtype=float32))
+
+  References:
+    TensorFlow `FixedLossScaleManager`.
   """
   fn = "static_loss_scale"
-  scale = _validation.float32_representable(
-    fn, "loss_scale", _validation.positive_finite(fn, "loss_scale", loss_scale)
-  )
+  scale = _validation.float32_scale(fn, "loss_scale", loss_scale)
   rule = _Rule(
     initial_scale=scale, scaled=True, dynamic=False, min_scale=scale, max_scale=scale
   )
-  return _wrap(fn, inner, rule, _axes.validate_axis_name(fn, axis_name))
+  return _build(fn, inner, rule, axis_name, enabled)
 
 
 def skip_nonfinite(
@@ -445,21 +508,22 @@ def skip_nonfinite(
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` to skip steps whose gradients hold an inf or a NaN.
 
-  For bfloat16 or float32 training, where no loss scaling is needed: the
-  gradients reach `inner` as they are (no cast, no multiplication), and a
-  non-finite step gives zero updates and leaves `inner`'s state bit-for-bit
-  unchanged. Unlike `optax.apply_if_finite` it never gives up and applies a
-  non-finite update; use `lossscale.check_not_stalled` to fail loudly when
-  every step is being skipped. The state's `loss_scale` is 1.
+  For bfloat16 or float32 training, which needs no loss scaling: gradients
+  reach `inner` as they are, and a non-finite step gives zero updates and
+  leaves `inner`'s state bit for bit. Unlike `optax.apply_if_finite` it never
+  applies a non-finite update (`lossscale.check_not_stalled` fails loudly
+  when every step is skipped). The loss scale is 1.
 
   Args:
-    inner: the optimizer to wrap; any `optax.GradientTransformation`.
-    axis_name: optional axis name(s) over which the finite flag is reduced
-      (see `dynamic_loss_scale`).
+    inner: the optimizer to wrap, any `optax.GradientTransformation`.
+    axis_name: axis name(s) over which the finite flag is reduced.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` whose state is a
-    `LossScaleState`.
+    An `optax.GradientTransformationExtraArgs` with a `LossScaleState`.
+
+  Raises:
+    ValueError: at construction, for an invalid `axis_name`.
+    TypeError: when `inner` is not an `optax.GradientTransformation`.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -469,7 +533,10 @@ def skip_nonfinite(
     >>> updates, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state)
     >>> updates["w"], state.skipped_steps
     (Array([0., 0.], dtype=float32), Array(1, dtype=int32))
+
+  References:
+    TensorFlow `LossScaleOptimizer` (skipping non-finite steps).
   """
   fn = "skip_nonfinite"
   rule = _Rule(initial_scale=1.0, scaled=False, dynamic=False)
-  return _wrap(fn, inner, rule, _axes.validate_axis_name(fn, axis_name))
+  return _build(fn, inner, rule, axis_name, True)

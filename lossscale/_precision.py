@@ -160,7 +160,7 @@ def float16_range_report(tree: Any) -> Float16RangeReport:
   """
   per_leaf = {}
   lost_under, lost_over, coarse, total = [], [], [], 0
-  for path, x in jax.tree.leaves_with_path(tree):
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
     if not _is_floating(x) or x.size == 0:
       continue
     # Exact in float32 for every narrower float (float64 stays float64).

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 _INT32_MAX = 2**31 - 1
+_F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)  # 2**-126
 
 
 def _concrete_number(fn: str, name: str, value: Any) -> float:
@@ -60,9 +61,23 @@ def in_unit_interval(fn: str, name: str, value: Any) -> float:
 
 
 def positive_int(fn: str, name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+  """Accepts Python, NumPy and concrete JAX integer scalars in [1, 2**31 - 1]."""
+  v = None
+  if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+    v = int(value)
+  else:
+    dtype = getattr(value, "dtype", None)
+    if (
+      dtype is not None
+      and getattr(value, "shape", None) == ()
+      and np.issubdtype(dtype, np.integer)
+    ):
+      try:
+        v = int(value)
+      except Exception:  # a tracer: configuration must be concrete
+        v = None
+  if v is None:
     raise ValueError(f"`{fn}({name}=...)` must be a positive int, got {value!r}.")
-  v = int(value)
   if not 1 <= v <= _INT32_MAX:
     raise ValueError(
       f"`{fn}({name}=...)` must be a positive int no larger than"
@@ -71,13 +86,26 @@ def positive_int(fn: str, name: str, value: Any) -> int:
   return v
 
 
-def float32_representable(fn: str, name: str, value: float) -> float:
-  """Checks that `value` survives a cast to float32 as a positive finite."""
+def boolean(fn: str, name: str, value: Any) -> bool:
+  """Accepts `True` and `False` (Python or NumPy bools) only."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"`{fn}({name}=...)` must be True or False, got {value!r}.")
+  return bool(value)
+
+
+def float32_scale(fn: str, name: str, value: Any) -> float:
+  """A loss-scale setting: a positive number that is a normal float32.
+
+  Below float32's smallest normal (2**-126) the reciprocal `1 / scale`
+  overflows to inf and every step would be skipped. Returns the value as
+  float32 rounds it, so the closure holds exactly what the state will.
+  """
+  v = positive_finite(fn, name, value)
   with np.errstate(over="ignore", under="ignore"):
-    v32 = float(np.float32(value))
-  if not (math.isfinite(v32) and v32 > 0.0):
+    v32 = float(np.float32(v))
+  if not (math.isfinite(v32) and v32 >= _F32_MIN_NORMAL):
     raise ValueError(
-      f"`{fn}({name}=...)` must be representable as a positive finite"
-      f" float32, got {value!r}."
+      f"`{fn}({name}=...)` must be a normal float32, between 2**-126"
+      f" (about 1.18e-38) and the float32 maximum (about 3.4e38), got {value!r}."
     )
   return v32

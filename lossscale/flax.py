@@ -7,8 +7,8 @@ change in `apply_gradients`: when the loss-scaling optimizer skips a step
 stay as they were, and fields passed through `**kwargs` (such as BatchNorm's
 `batch_stats`, computed in the same bad forward pass) keep their old values.
 
-The decision is read from the `LossScaleState` in the new optimizer state
-(its `consecutive_skips` is 0 exactly on an applied step), so the wrapper's
+Whether the step was applied is read from the wrapper's
+`LossScaleState.last_finite` in the new optimizer state, so the wrapper's
 state machine stays the only one.
 
 Flax NNX needs no subclass: `nnx.Optimizer(model, tx, wrt=nnx.Param)` with a
@@ -22,14 +22,21 @@ read `skipped_steps` from the state (see `docs/flax.md`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax.training import train_state
-from flax.training.train_state import OVERWRITE_WITH_GRADIENT
+
+try:
+  from flax.training import train_state
+  from flax.training.train_state import OVERWRITE_WITH_GRADIENT
+except ImportError as e:  # pragma: no cover - depends on the environment
+  raise ImportError(
+    "lossscale.flax needs Flax, an optional dependency: install it with"
+    " `pip install 'lossscale[flax]'` (or `pip install flax`)."
+  ) from e
 
 from lossscale._access import find_state, get_loss_scale
 from lossscale._fused import apply_gradients
@@ -49,7 +56,7 @@ class TrainState(train_state.TrainState):
   backed off and `skipped_steps` grew)::
 
       params, opt_state = lossscale.apply_gradients(tx, grads, opt_state, params)
-      applied = (loss-scale state's consecutive_skips == 0)
+      applied = the wrapper's LossScaleState.last_finite
       step   = step + 1 if applied else step
       kwargs fields = new values if applied else old values
 
@@ -110,7 +117,7 @@ class TrainState(train_state.TrainState):
       # step runs no optimizer and the params come back untouched.
       params, opt_state = apply_gradients(self.tx, grads, self.opt_state, self.params)
       new = self.replace(params=params, opt_state=opt_state, **kwargs)
-    applied = find_state(new.opt_state).consecutive_skips == 0
+    applied = find_state(new.opt_state).last_finite
 
     def keep_old_on_skip(name: str, old: Any, value: Any) -> Any:
       old_def, new_def = jax.tree.structure(old), jax.tree.structure(value)
@@ -120,7 +127,7 @@ class TrainState(train_state.TrainState):
           f" structure of the current `{name}` (a skipped step keeps the"
           f" old value), got {new_def} instead of {old_def}."
         )
-      return optax.tree.where(applied, value, old)
+      return jax.tree.map(lambda v, o: jnp.where(applied, v, o), value, old)
 
     fields = {f.name: f for f in dataclasses.fields(self)}
     kept = {}
@@ -138,7 +145,14 @@ class TrainState(train_state.TrainState):
     )
 
   @classmethod
-  def create(cls, *, apply_fn, params, tx, **kwargs) -> TrainState:
+  def create(
+    cls,
+    *,
+    apply_fn: Callable[..., Any] | None,
+    params: Any,
+    tx: optax.GradientTransformation,
+    **kwargs: Any,
+  ) -> TrainState:
     """Creates a state with `step=0` (int32) and `opt_state = tx.init(params)`.
 
     Args:

@@ -79,7 +79,7 @@ def test_message_names_numbers_and_causes_at_the_floor():
   assert "last 4 optimizer steps were all skipped" in msg
   assert "5 skipped steps in total" in msg
   assert "max_consecutive_skips=4" in msg
-  assert "The loss scale is 1, pinned at min_scale=1" in msg
+  assert "The loss scale is now 1;" in msg
   for cause in ["NaN or inf already in the parameters", "input data", "learning rate"]:
     assert cause in msg
   assert "lossscale.nonfinite_leaves" in msg
@@ -89,10 +89,33 @@ def test_message_uses_the_given_min_scale():
   tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=64.0, min_scale=16.0)
   state = _run(tx, [_BAD] * 3)
   assert float(state.loss_scale) == 16.0
-  with pytest.raises(ls.LossScaleStalledError, match=r"above min_scale=1 \(assuming"):
+  with pytest.raises(ls.LossScaleStalledError) as info:
     ls.check_not_stalled(state, max_consecutive_skips=3)
-  with pytest.raises(ls.LossScaleStalledError, match="16, pinned at min_scale=16"):
+  # The state does not record the floor: no floor is named unless given.
+  assert "The loss scale is now 16;" in str(info.value)
+  assert "min_scale=" not in str(info.value).split("Likely causes")[0]
+  with pytest.raises(ls.LossScaleStalledError, match="16, at the min_scale=16"):
     ls.check_not_stalled(state, max_consecutive_skips=3, min_scale=16.0)
+
+
+@pytest.mark.parametrize(
+  "tx",
+  [
+    ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=1.0, min_scale=0.5),
+    ls.static_loss_scale(optax.sgd(0.1), 0.5),
+    ls.skip_nonfinite(optax.sgd(0.1)),
+  ],
+  ids=["dynamic_floor_0.5", "static", "skip_nonfinite"],
+)
+def test_message_is_true_for_every_wrapper(tx):
+  state = _run(tx, [_BAD] * 4)
+  with pytest.raises(ls.LossScaleStalledError) as info:
+    ls.check_not_stalled(state, max_consecutive_skips=4)
+  facts = str(info.value).split("Likely causes")[0]
+  scale = float(state.loss_scale)
+  assert f"The loss scale is now {scale:g};" in facts
+  # No made-up floor (such as the default 1.0) and no claim about its place.
+  assert "min_scale=" not in facts and "above" not in facts and "pinned" not in facts
 
 
 def test_scale_above_the_floor_is_reported():

@@ -36,3 +36,23 @@ def test_all_finite_ignores_integer_bool_and_missing_leaves():
 def test_all_finite_complex():
   assert bool(ls.all_finite(jnp.array([1 + 2j])))
   assert not bool(ls.all_finite(jnp.array([complex(1, np.inf)])))
+
+
+def test_debug_nans_does_not_flag_a_plain_overflow():
+  # The fast check turns inf into NaN (inf * 0); under `jax.debug_nans` the
+  # check must not manufacture a NaN out of an ordinary overflow.
+  grads = {"w": jnp.array([jnp.inf, 1.0]), "b": jnp.ones(2)}
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=4.0)
+  params = jax.tree.map(jnp.zeros_like, grads)
+  with jax.debug_nans(True):
+    assert not bool(ls.all_finite(grads))
+    assert not bool(jax.jit(ls.all_finite)(grads))
+    _, state = tx.update(grads, tx.init(params), params)
+    new_params, state = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(
+      grads, state, params
+    )
+  assert int(state.skipped_steps) == 2
+  np.testing.assert_array_equal(new_params["w"], params["w"])
+  # Off again: the fast check, same answers.
+  assert not bool(jax.jit(ls.all_finite)(grads))
+  assert bool(jax.jit(ls.all_finite)({"w": jnp.ones(2)}))

@@ -76,8 +76,35 @@ def _assert_trees_equal(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_same_trajectory_as_update_plus_apply_updates_with_chains():
-  """Pre- and post-wrapper transforms with state: bit for bit the same."""
+def _is_wrapper_state(x):
+  return isinstance(x, ls.LossScaleState)
+
+
+def _whole_step_reference(tx, grads_seq, params):
+  """tx.update + apply_updates, with TensorFlow's skip applied by hand: on a
+  non-finite step everything but the wrapper's state is put back."""
+  update = jax.jit(tx.update)
+  out = []
+  with _standard():
+    state = tx.init(params)
+    for g in grads_seq:
+      updates, new_state = update(g, state, params)
+      leaves = jax.tree.leaves(new_state, is_leaf=_is_wrapper_state)
+      (wrapper,) = [n for n in leaves if _is_wrapper_state(n)]
+      if bool(wrapper.last_finite):
+        params, state = optax.apply_updates(params, updates), new_state
+      else:
+        state = jax.tree.map(
+          functools.partial(lambda w, x: w if _is_wrapper_state(x) else x, wrapper),
+          state,
+          is_leaf=_is_wrapper_state,
+        )
+      out.append((params, state))
+  return out
+
+
+def test_same_trajectory_as_update_with_whole_step_skips_with_chains():
+  """Pre- and post-wrapper transforms with state (step-counting schedules)."""
   tx = optax.chain(
     optax.clip_by_global_norm(1e4),
     optax.scale_by_schedule(lambda n: 1.0 / (1.0 + n.astype(jnp.float32))),
@@ -89,16 +116,46 @@ def test_same_trajectory_as_update_plus_apply_updates_with_chains():
   grads = [
     jax.tree.map(lambda x, i=i: 8.0 * x, _grads(i, b)) for i, b in enumerate(_BAD)
   ]
-  steps = _run_both(tx, grads, _params())
-  for (fp, fs), (cp, cs) in steps:
-    # The decision and the scale state machine: exactly the same.
-    _assert_trees_equal(fs[2]._replace(inner_state=()), cs[2]._replace(inner_state=()))
-    _assert_trees_equal((fs[0], fs[1], fs[3]), (cs[0], cs[1], cs[3]))
-    # Floats: XLA compiles the two programs separately (fusion and FMA
-    # contraction may differ by an ulp).
-    chex.assert_trees_all_close((fp, fs), (cp, cs), rtol=1e-6, atol=1e-7)
-  final = steps[-1][0][1]
-  assert int(final[2].skipped_steps) == 3
+  fused = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+  with _standard():
+    fp, fs = _params(), tx.init(_params())
+    for g, (rp, rs) in zip(
+      grads, _whole_step_reference(tx, grads, _params()), strict=True
+    ):
+      fp, fs = fused(g, fs, fp)
+      # The decision and the scale state machine: exactly the same.
+      _assert_trees_equal(
+        fs[2]._replace(inner_state=()), rs[2]._replace(inner_state=())
+      )
+      # The step-counting schedules before and after the wrapper advance on
+      # applied steps only.
+      _assert_trees_equal((fs[1], fs[3]), (rs[1], rs[3]))
+      # Floats: XLA compiles the two programs separately (fusion and FMA
+      # contraction may differ by an ulp).
+      chex.assert_trees_all_close((fp, fs), (rp, rs), rtol=1e-6, atol=1e-7)
+  assert int(fs[2].skipped_steps) == 3
+  assert int(fs[1].count) == int(fs[3].count) == len(_BAD) - 3
+
+
+def test_transforms_after_the_wrapper_do_not_move_params_on_a_skip():
+  # With tx.update + apply_updates, weight decay after the wrapper would
+  # shrink the params on a skipped step; the fused step skips all of it.
+  tx = optax.chain(
+    ls.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0),
+    optax.add_decayed_weights(0.5),
+    optax.scale(-0.1),
+  )
+  params = _params()
+  with _standard():
+    state = tx.init(params)
+    p, s = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(
+      _grads(0, INF), state, params
+    )
+    moved, _ = tx.update(_grads(0, INF), state, params)
+  _assert_trees_equal(p, params)
+  _assert_trees_equal(s[1:], state[1:])
+  assert float(s[0].loss_scale) == 2.0 and not bool(s[0].last_finite)
+  assert any(np.asarray(u).any() for u in jax.tree.leaves(moved))
 
 
 def test_matches_bare_optimizer_fed_only_the_finite_unscaled_steps():
@@ -212,7 +269,7 @@ def test_vmap_members_decide_independently():
 @pytest.mark.parametrize(
   "tx, message",
   [
-    (optax.adam(0.1), "found no"),
+    (optax.adam(0.1), "found none"),
     (
       optax.chain(
         ls.skip_nonfinite(optax.identity()), ls.dynamic_loss_scale(optax.sgd(0.1))
@@ -230,19 +287,158 @@ def test_rejects_tx_without_exactly_one_wrapper(tx, message):
     ls.apply_gradients(tx, _grads(0), tx.init(params), params)
 
 
-def test_rejects_wrapper_inside_another_transforms_control_flow():
-  tx = optax.MultiSteps(ls.dynamic_loss_scale(optax.sgd(0.1)), 2)
-  tx = tx.gradient_transformation()
-  params = _params()
-  with _standard(), pytest.raises(ValueError, match="control flow"):
-    jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(
-      _grads(0), tx.init(params), params
+def _cond_container(inner):
+  """A transformation that calls `inner` inside its own `lax.cond`."""
+
+  def init(params):
+    return (inner.init(params),)
+
+  def update(updates, state, params=None, **extra):
+    return jax.lax.cond(
+      True,
+      lambda: (lambda u, s: (u, (s,)))(
+        *inner.update(updates, state[0], params, **extra)
+      ),
+      lambda: (updates, state),
     )
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+_CONTROL_FLOW = {
+  "MultiSteps": lambda w: optax.MultiSteps(w, 2).gradient_transformation(),
+  "apply_if_finite": lambda w: optax.apply_if_finite(w, 3),
+  "conditionally_mask": lambda w: optax.conditionally_mask(w, lambda n: n > 0),
+  "custom_cond": _cond_container,
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("name", list(_CONTROL_FLOW))
+def test_rejects_wrapper_inside_another_transforms_control_flow(name, jit):
+  tx = _CONTROL_FLOW[name](ls.dynamic_loss_scale(optax.sgd(0.1)))
+  params = _params()
+  step = lambda g, s, p: ls.apply_gradients(tx, g, s, p)
+  step = jax.jit(step) if jit else step
+  with _standard(), pytest.raises(ValueError, match="control flow"):
+    step(_grads(0), tx.init(params), params)
+  # The ordinary step still works there.
+  with _standard():
+    tx.update(_grads(0), tx.init(params), params)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_already_jitted_update_works(jit):
+  inner = ls.dynamic_loss_scale(optax.adam(0.1), initial_scale=4.0)
+  tx = optax.GradientTransformation(inner.init, jax.jit(inner.update))
+  step = lambda g, s, p: ls.apply_gradients(tx, g, s, p)
+  step = jax.jit(step) if jit else step
+  params = _params()
+  with _standard():
+    state = tx.init(params)
+    for i, b in enumerate(_BAD):  # ordinary calls in between change nothing
+      tx.update(_grads(i, b), state, params)
+      p, s = step(_grads(i, b), state, params)
+      rp, rs = ls.apply_gradients(inner, _grads(i, b), state, params)
+      chex.assert_trees_all_close((p, s), (rp, rs), rtol=1e-6, atol=1e-7)
+      params, state = p, s
+  assert int(state.skipped_steps) == 3
+
+
+def test_plain_transformation_dropping_extra_args_is_refused():
+  wrapper = ls.dynamic_loss_scale(optax.sgd(0.1))
+  tx = optax.GradientTransformation(
+    wrapper.init, lambda u, s, p=None: wrapper.update(u, s, p)
+  )
+  params = _params()
+  with pytest.raises(ValueError, match="did not receive the decision"):
+    ls.apply_gradients(tx, _grads(0), tx.init(params), params)
+
+
+def test_inner_optimizer_traced_at_most_three_times_per_step():
+  traces = []
+
+  def counting(inner):
+    def update(updates, state, params=None):
+      traces.append(None)
+      return inner.update(updates, state, params)
+
+    return optax.GradientTransformation(inner.init, update)
+
+  tx = optax.chain(
+    ls.cross_shard_mean("batch"),
+    ls.dynamic_loss_scale(counting(optax.sgd(0.1))),
+    optax.scale(1.0),
+  )
+  params = _params()
+  state = tx.init(params)
+  # Outside shard_map (axis bound by vmap): apply_gradients and tx.update.
+  for fn, limit in [
+    (lambda g, s, p: ls.apply_gradients(tx, g, s, p), 2),
+    (lambda g, s, p: tx.update(g, s, p), 2),
+  ]:
+    traces.clear()
+    jax.vmap(fn, axis_name="batch", in_axes=(0, None, None))(
+      jax.tree.map(lambda x: x[None], _grads(0)), state, params
+    )
+    assert len(traces) <= limit
+  # Inside shard_map, where the branches' varying axes must be matched.
+  mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
+  for fn, limit in [
+    (lambda g, s, p: ls.apply_gradients(tx, g, s, p), 3),
+    (lambda g, s, p: tx.update(g, s, p), 2),
+  ]:
+    traces.clear()
+    sharded = jax.shard_map(
+      lambda g, s, p, fn=fn: fn(jax.tree.map(lambda x: x[0], g), s, p),
+      mesh=mesh,
+      in_specs=(P("batch"), P(), P()),
+      out_specs=P(),
+    )
+    jax.jit(sharded)(
+      jax.tree.map(lambda x: jnp.stack([x, x]), _grads(0)), state, params
+    )
+    assert len(traces) <= limit
 
 
 def test_rejects_non_transformation():
-  with pytest.raises(ValueError, match=r"apply_gradients\(tx=\.\.\.\)"):
+  with pytest.raises(TypeError, match=r"apply_gradients\(tx=\.\.\.\)"):
     ls.apply_gradients(optax.adam, {}, (), {})
+  with pytest.raises(TypeError, match=r"gradient_transformation\(\)"):
+    ls.apply_gradients(optax.MultiSteps(optax.sgd(0.1), 2), {}, (), {})
+
+
+@pytest.mark.filterwarnings("ignore:.*seed.*:DeprecationWarning")
+def test_per_example_gradients_with_dpsgd():
+  inner = optax.contrib.dpsgd(0.1, l2_norm_clip=1.0, noise_multiplier=0.0, seed=0)
+  tx = ls.static_loss_scale(inner, 4.0)
+  params = _params()
+  per_example = jax.tree.map(lambda x: jnp.stack([x, -2 * x, 3 * x]), _grads(0))
+  scaled = jax.tree.map(lambda x: 4.0 * x, per_example)
+  with _standard():
+    state = tx.init(params)
+    p, s = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(
+      scaled, state, params
+    )
+    u, _ = inner.update(per_example, inner.init(params), params)
+  chex.assert_trees_all_close(p, optax.apply_updates(params, u), rtol=1e-6)
+  assert bool(s.last_finite)
+
+
+def test_disabled_wrapper_is_the_bare_optimizer_step():
+  inner = optax.adam(0.1)
+  tx = ls.dynamic_loss_scale(inner, enabled=False)
+  params = _params()
+  step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+  with _standard():
+    state, bare = tx.init(params), inner.init(params)
+    p, ref = params, params
+    for i in range(3):
+      p, state = step(_grads(i), state, p)
+      u, bare = inner.update(_grads(i), bare, ref)
+      ref = optax.apply_updates(ref, u)
+  chex.assert_trees_all_close((p, state.inner_state), (ref, bare), rtol=1e-6)
+  assert int(state.skipped_steps) == 0
 
 
 # Compiled behaviour (no timings): one conditional around the whole step, no

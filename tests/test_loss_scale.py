@@ -611,3 +611,215 @@ def test_gradient_tree_must_match_params():
     tx.update({"a": jnp.ones(2)}, state, params)
   with pytest.raises(ValueError, match=r"\['b'\] has shape \(4,\)"):
     tx.update({"a": jnp.ones(2), "b": jnp.ones(4)}, state, params)
+
+
+# ---------------------------------------------------------------------------
+# TF 1.x `ExponentialUpdateLossScaleManager`: every vector of TensorFlow's
+# contrib/mixed_precision/python/loss_scale_manager_test.py (incr_ratio 2,
+# decr_ratio 1/2, incr_every_n_steps 2 and decr_every_n_nan_or_inf 2 unless
+# given). TF records the scale after each update.
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _tf1_manager(init, incr_every=2, decr_every=2):
+  return ls.dynamic_loss_scale(
+    optax.sgd(0.1),
+    initial_scale=init,
+    growth_interval=incr_every,
+    hysteresis=decr_every,
+    growth_factor=2.0,
+    backoff_factor=0.5,
+    reset_hysteresis_on_backoff=True,
+    max_scale=F32_MAX,
+  )
+
+
+TF1_VECTORS = [
+  ("increase_every_n_steps", 1, 2, 2, [True] * 6, [1, 2, 2, 4, 4, 8]),
+  ("decrease_every_n_steps", 1024, 2, 2, [False] * 6, [1024, 512, 512, 256, 256, 128]),
+  (
+    "keep_decreasing_until_one",
+    16,
+    2,
+    2,
+    [False] * 10,
+    [16, 8, 8, 4, 4, 2, 2, 1, 1, 1],
+  ),
+  ("incr_bad_step_clear_good_step", 1, 2, 2, [1, 1, 1, 0, 1], [1, 2, 2, 2, 2]),
+  (
+    "incr_good_step_does_not_clear_bad_step",
+    *(1, 2, 2),
+    [1, 1, 1, 0, 1, 0],
+    [1, 2, 2, 2, 2, 1],
+  ),
+  ("trigger_each_step", 1, 1, 1, [1, 1, 1, 0, 1, 1], [2, 4, 8, 4, 8, 16]),
+  ("alternating_each_step", 1, 1, 1, [1, 0] * 4 + [1], [2, 1] * 4 + [2]),
+  ("alternating_incr_every_2", 32, 2, 1, [1, 0] * 3 + [1], [32, 16, 16, 8, 8, 4, 4]),
+  (
+    "random_mix",
+    *(4, 2, 2),
+    [0, 0, 1, 1, 1, 0, 1, 0, 1, 1, 1, 0],
+    [4, 2, 2, 4, 4, 4, 4, 2, 2, 4, 4, 4],
+  ),
+]
+
+
+@pytest.mark.parametrize(
+  "init,incr,decr,flags,expected",
+  [v[1:] for v in TF1_VECTORS],
+  ids=[v[0] for v in TF1_VECTORS],
+)
+def test_tensorflow1_exponential_update_manager(init, incr, decr, flags, expected):
+  tx = _tf1_manager(init, incr, decr)
+  assert _scale_history(tx, [bool(f) for f in flags]) == [float(e) for e in expected]
+
+
+def test_tensorflow1_keep_increasing_until_capped():
+  init = float(np.float32(F32_MAX / 4 + 10))
+  expected = [init, init * 2, init * 2, F32_MAX, F32_MAX, F32_MAX]
+  assert _scale_history(_tf1_manager(init), [True] * 6) == expected
+
+
+def test_reset_hysteresis_differs_from_megatron_only_after_a_backoff():
+  flags = [False] * 6
+  megatron = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=1024.0, hysteresis=2)
+  assert _scale_history(megatron, flags) == [1024, 512, 256, 128, 64, 32]
+  assert _scale_history(_tf1_manager(1024.0), flags) == [1024, 512, 512, 256, 256, 128]
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None, np.float32(1.0)])
+def test_reset_hysteresis_on_backoff_must_be_a_bool(value):
+  with pytest.raises(ValueError, match=r"reset_hysteresis_on_backoff=\.\.\.\)"):
+    ls.dynamic_loss_scale(optax.sgd(0.1), reset_hysteresis_on_backoff=value)
+
+
+# ---------------------------------------------------------------------------
+# Scales must be normal float32 numbers: 1 / scale is then finite.
+
+
+@pytest.mark.parametrize("scale", [1e-39, 2.0**-127, 1e-45])
+def test_subnormal_scales_are_rejected(scale):
+  with pytest.raises(ValueError, match=r"static_loss_scale\(loss_scale=.*normal"):
+    ls.static_loss_scale(optax.sgd(0.1), scale)
+  with pytest.raises(ValueError, match=r"dynamic_loss_scale\(min_scale="):
+    ls.dynamic_loss_scale(optax.sgd(0.1), min_scale=scale, initial_scale=1.0)
+  with pytest.raises(ValueError, match=r"dynamic_loss_scale\(initial_scale="):
+    ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=scale)
+
+
+def test_smallest_normal_scale_is_accepted_and_never_left():
+  tiny = 2.0**-126
+  tx = ls.dynamic_loss_scale(
+    optax.sgd(0.1), initial_scale=tiny * 4, min_scale=tiny, growth_interval=10
+  )
+  assert _scale_history(tx, [False] * 4) == [tiny * 2, tiny, tiny, tiny]
+  static = ls.static_loss_scale(optax.sgd(1.0), tiny)
+  updates, state = static.update(_grads_with(tiny), static.init(_grads_with(0.0)))
+  assert bool(state.last_finite)
+  np.testing.assert_array_equal(updates["w"], [-1.0, -1.0])
+
+
+# ---------------------------------------------------------------------------
+# `enabled=False`: exactly the inner optimizer, same state structure.
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda inner: ls.dynamic_loss_scale(inner, enabled=False),
+    lambda inner: ls.static_loss_scale(inner, 2.0**10, enabled=False),
+  ],
+  ids=["dynamic", "static"],
+)
+def test_disabled_is_bitwise_the_bare_optimizer(make):
+  inner = optax.adamw(1e-2)
+  tx, enabled = make(inner), ls.dynamic_loss_scale(inner)
+  params, (g0, g1, *_) = _problem()
+  grad_seq = [g0, jax.tree.map(lambda g: jnp.full_like(g, INF), g1), g0]
+  with _standard():
+    state, bare = tx.init(params), inner.init(params)
+    assert jax.tree.structure(state) == jax.tree.structure(enabled.init(params))
+    update, bare_update = jax.jit(tx.update), jax.jit(inner.update)
+    for g in grad_seq:  # the inf is not skipped: enabled=False checks nothing
+      u, state = update(g, state, params)
+      bu, bare = bare_update(g, bare, params)
+      _assert_trees_equal(u, bu)
+      _assert_trees_equal(state.inner_state, bare)
+  assert float(ls.get_loss_scale(state)) == 1.0
+  assert int(state.skipped_steps) == 0 and bool(state.last_finite)
+  # The loss is scaled by 1: the gradients are the plain ones.
+  _, g = ls.value_and_grad(lambda w: jnp.sum(w**2))(state, jnp.arange(3.0))
+  np.testing.assert_array_equal(g, 2 * jnp.arange(3.0))
+
+
+@pytest.mark.parametrize("value", [0, 1, "no", None])
+def test_enabled_must_be_a_bool(value):
+  with pytest.raises(ValueError, match=r"dynamic_loss_scale\(enabled=\.\.\.\)"):
+    ls.dynamic_loss_scale(optax.sgd(0.1), enabled=value)
+  with pytest.raises(ValueError, match=r"static_loss_scale\(enabled=\.\.\.\)"):
+    ls.static_loss_scale(optax.sgd(0.1), 2.0, enabled=value)
+
+
+# ---------------------------------------------------------------------------
+# Valid uses that must not be refused, and mistakes that get clear errors.
+
+
+# optax.contrib.dpsgd passes `seed` on, which newer optax deprecates.
+@pytest.mark.filterwarnings("ignore:.*seed.*:DeprecationWarning")
+def test_per_example_gradients_with_dpsgd():
+  clip, batch = 1.0, 5
+  inner = optax.contrib.dpsgd(0.1, l2_norm_clip=clip, noise_multiplier=0.0, seed=0)
+  tx = ls.static_loss_scale(inner, 8.0)
+  params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+  k1, k2 = jax.random.split(jax.random.key(3))
+  per_example = {
+    "w": jax.random.normal(k1, (batch, 3)),
+    "b": jax.random.normal(k2, (batch,)),
+  }
+  scaled = jax.tree.map(lambda g: g * 8.0, per_example)
+  with _standard():
+    updates, state = jax.jit(tx.update)(scaled, tx.init(params), params)
+    expected, _ = inner.update(per_example, inner.init(params), params)
+  _assert_trees_close(updates, expected)
+  assert bool(state.last_finite)
+  bad = jax.tree.map(lambda g: g.at[2].set(NAN), scaled)
+  with _standard():
+    zeros, state = jax.jit(tx.update)(bad, state, params)
+  assert int(state.skipped_steps) == 1
+  assert not any(np.asarray(z).any() for z in jax.tree.leaves(zeros))
+
+
+def test_a_plain_optimizer_state_names_loss_scale_state():
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1))
+  params = {"w": jnp.zeros(2)}
+  plain = optax.sgd(0.1).init(params)
+  for update in (tx.update, jax.jit(tx.update)):
+    with pytest.raises(TypeError, match=r"LossScaleState.*tx\.init\(params\)"):
+      update(_grads_with(1.0), plain, params)
+
+
+def test_multisteps_object_as_inner_says_what_to_pass():
+  with pytest.raises(TypeError, match=r"gradient_transformation\(\)"):
+    ls.dynamic_loss_scale(optax.MultiSteps(optax.sgd(0.1), 2))
+  with pytest.raises(TypeError, match=r"static_loss_scale\(inner="):
+    ls.static_loss_scale(object(), 2.0)
+
+
+def test_unhashable_axis_name_is_named():
+  class Unhashable:
+    __hash__ = None
+
+  with pytest.raises(ValueError, match=r"skip_nonfinite\(axis_name=\.\.\.\)"):
+    ls.skip_nonfinite(optax.sgd(0.1), axis_name=Unhashable())
+  with pytest.raises(ValueError, match=r"axis_name"):
+    ls.dynamic_loss_scale(optax.sgd(0.1), axis_name=("batch", Unhashable()))
+
+
+def test_jax_integer_scalars_are_accepted_for_integer_settings():
+  tx = ls.dynamic_loss_scale(
+    optax.sgd(0.1), growth_interval=jnp.int32(2), hysteresis=np.int16(1)
+  )
+  assert _scale_history(tx, [True, True]) == [2.0**15, 2.0**16]
+  with pytest.raises(ValueError, match=r"growth_interval=\.\.\.\)` must be a positive"):
+    ls.dynamic_loss_scale(optax.sgd(0.1), growth_interval=jnp.float32(2.0))

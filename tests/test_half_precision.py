@@ -1,0 +1,203 @@
+"""Half-precision parameters: every optimizer keeps its dtypes, with no retrace.
+
+With bfloat16 or float16 parameters the wrapper unscales in float32, runs the
+inner optimizer there, and hands its state back in the dtypes that
+`inner.init(params)` chose, on finite and skipped steps alike, through
+`tx.update` and `apply_gradients`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import optax.contrib
+import pytest
+
+import lossscale as ls
+
+SCALE = 2.0**10  # a power of two: scaling and unscaling are exact
+
+
+def _optimizers():
+  labels = {"w": "a", "b": "b"}
+  opts = {
+    "adabelief": optax.adabelief(1e-2),
+    "adadelta": optax.adadelta(1e-1),
+    "adafactor": optax.adafactor(1e-2),
+    "adagrad": optax.adagrad(1e-2),
+    "adam": optax.adam(1e-2),
+    "adamax": optax.adamax(1e-2),
+    "adamaxw": optax.adamaxw(1e-2),
+    "adamw": optax.adamw(1e-2),
+    "adan": optax.adan(1e-2),
+    "amsgrad": optax.amsgrad(1e-2),
+    "fromage": optax.fromage(1e-2),
+    "lamb": optax.lamb(1e-2),
+    "lars": optax.lars(1e-2),
+    "lion": optax.lion(1e-3),
+    "nadam": optax.nadam(1e-2),
+    "nadamw": optax.nadamw(1e-2),
+    "novograd": optax.novograd(1e-2),
+    "optimistic_gd": optax.optimistic_gradient_descent(1e-2),
+    "radam": optax.radam(1e-2),
+    "rmsprop": optax.rmsprop(1e-2, momentum=0.9),
+    "rprop": optax.rprop(1e-2),
+    "sgd_momentum": optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "sm3": optax.sm3(1e-2),
+    "yogi": optax.yogi(1e-2),
+    "chain_clip_adam": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    "masked": optax.masked(optax.adam(1e-2), {"w": True, "b": False}),
+    "multi_transform": optax.multi_transform(
+      {"a": optax.adam(1e-2), "b": optax.sgd(1e-2, momentum=0.9)}, labels
+    ),
+    "inject_hyperparams": optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
+    "contrib.dadapt_adamw": optax.contrib.dadapt_adamw(),
+    "contrib.prodigy": optax.contrib.prodigy(),
+    "contrib.mechanize": optax.contrib.mechanize(optax.adam(1e-2)),
+    "contrib.schedule_free_adamw": optax.contrib.schedule_free_adamw(1e-2),
+    "contrib.cocob": optax.contrib.cocob(),
+  }
+  if hasattr(optax.contrib, "muon"):
+    opts["contrib.muon"] = optax.contrib.muon(1e-2)
+  return opts
+
+
+OPTIMIZERS = _optimizers()
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def _params(dtype):
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {
+    "w": jax.random.normal(k1, (3, 4)).astype(dtype),
+    "b": jax.random.normal(k2, (4,)).astype(dtype),
+  }
+
+
+def _true_grads(dtype):
+  k1, k2 = jax.random.split(jax.random.key(1))
+  return {
+    "w": jax.random.normal(k1, (3, 4)).astype(dtype),
+    "b": jax.random.normal(k2, (4,)).astype(dtype),
+  }
+
+
+def _scaled(grads):
+  return jax.tree.map(lambda g: (g.astype(jnp.float32) * SCALE).astype(g.dtype), grads)
+
+
+def _dtypes(tree):
+  return jax.tree.map(lambda x: jnp.asarray(x).dtype, tree)
+
+
+def _assert_bitwise(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(
+      x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8)
+    )
+
+
+def _assert_close(actual, expected, dtype):
+  """Within a few units of `dtype`'s precision of the update's magnitude."""
+  eps = float(jnp.finfo(dtype).eps)
+  for x, y in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    np.testing.assert_allclose(x, y, rtol=8 * eps, atol=8 * eps * np.abs(y).max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_update_keeps_dtypes_and_matches_bare_optimizer(name, dtype):
+  inner = OPTIMIZERS[name]
+  tx = ls.dynamic_loss_scale(inner, initial_scale=SCALE)
+  params, grads = _params(dtype), _true_grads(dtype)
+  bad = jax.tree.map(lambda g: g.at[0].set(jnp.inf), _scaled(grads))
+  traces = []
+
+  def update(g, s, p):
+    traces.append(None)
+    return tx.update(g, s, p)
+
+  update = jax.jit(update)
+  with jax.numpy_dtype_promotion("standard"):
+    state = tx.init(params)
+    init_dtypes = _dtypes(state.inner_state)
+    updates, finite_state = update(_scaled(grads), state, params)
+    skip_updates, skipped_state = update(bad, finite_state, params)
+    bare_updates, bare_state = jax.jit(inner.update)(grads, inner.init(params), params)
+
+  assert len(traces) == 1, "the second step retraced: the state's types drifted"
+  assert bool(finite_state.last_finite) and not bool(skipped_state.last_finite)
+  assert _dtypes(finite_state.inner_state) == init_dtypes
+  assert _dtypes(skipped_state.inner_state) == init_dtypes
+  # Same types on both paths: `lax.cond` accepts them as its two branches.
+  jax.lax.cond(True, lambda: state, lambda: finite_state)
+  # A skipped step: the inner state bit for bit, exact zeros of the same dtypes.
+  _assert_bitwise(skipped_state.inner_state, finite_state.inner_state)
+  assert _dtypes(skip_updates) == _dtypes(updates)
+  for z in jax.tree.leaves(skip_updates):
+    assert not np.asarray(z, np.float64).any()
+  # A finite step: the bare optimizer fed the true (unscaled) gradients (the
+  # updates come in float32, computed from float32 gradients).
+  _assert_close(updates, bare_updates, dtype)
+  _assert_close(finite_state.inner_state, bare_state, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_apply_gradients_keeps_dtypes(name, dtype):
+  tx = ls.dynamic_loss_scale(OPTIMIZERS[name], initial_scale=SCALE)
+  params, grads = _params(dtype), _scaled(_true_grads(dtype))
+  bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads)
+  traces = []
+
+  def fused(g, s, p):
+    traces.append(None)
+    return ls.apply_gradients(tx, g, s, p)
+
+  def composed(g, s, p):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  fused = jax.jit(fused)
+  with jax.numpy_dtype_promotion("standard"):
+    state = tx.init(params)
+    new_params, new_state = fused(grads, state, params)
+    kept_params, kept_state = fused(bad, new_state, new_params)
+    ref_params, ref_state = jax.jit(composed)(grads, state, params)
+
+  assert len(traces) == 1
+  assert _dtypes(new_params) == _dtypes(params)
+  assert _dtypes(new_state) == _dtypes(state)
+  _assert_close(new_params, ref_params, dtype)
+  _assert_close(new_state.inner_state, ref_state.inner_state, dtype)
+  _assert_bitwise(kept_params, new_params)
+  _assert_bitwise(kept_state.inner_state, new_state.inner_state)
+  assert int(kept_state.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)
+def test_flax_train_state_with_half_precision_params(dtype):
+  flax_ls = pytest.importorskip("lossscale.flax")
+  nn = pytest.importorskip("flax.linen")
+  model = nn.Dense(2, param_dtype=dtype, dtype=dtype)
+  params = model.init(jax.random.key(0), jnp.ones((1, 3), dtype))["params"]
+  state = flax_ls.TrainState.create(
+    apply_fn=model.apply,
+    params=params,
+    tx=ls.dynamic_loss_scale(optax.adam(1e-2), initial_scale=SCALE),
+  )
+  grads = _scaled(jax.tree.map(jnp.ones_like, params))
+  bad = jax.tree.map(lambda g: jnp.full_like(g, jnp.inf), grads)
+  step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+  with jax.numpy_dtype_promotion("standard"):
+    new = step(state, grads)
+    kept = step(new, bad)
+  assert int(new.step) == 1 and int(kept.step) == 1
+  assert _dtypes(new.params) == _dtypes(params)
+  assert _dtypes(new.opt_state) == _dtypes(state.opt_state)
+  _assert_bitwise(kept.params, new.params)
+  assert float(kept.loss_scale) == SCALE / 2
