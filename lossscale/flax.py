@@ -31,8 +31,8 @@ import optax
 from flax.training import train_state
 from flax.training.train_state import OVERWRITE_WITH_GRADIENT
 
-from lossscale._access import find_state, get_loss_scale
 from lossscale._fused import apply_gradients
+from lossscale._scaled_grad import find_state, get_loss_scale
 
 __all__ = ["TrainState"]
 

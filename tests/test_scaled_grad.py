@@ -1,4 +1,4 @@
-"""Tests of get_loss_scale, scale_loss and value_and_grad (lossscale/_access.py)."""
+"""Tests of get_loss_scale, scale_loss and value_and_grad (_scaled_grad.py)."""
 
 import jax
 import jax.numpy as jnp
