@@ -1,12 +1,14 @@
-"""Reading the scale out of an optimizer state, and scaling losses with it."""
+"""The loss side of loss scaling: read the scale, scale the loss, differentiate it."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lossscale._loss_scale import LossScaleState
 
@@ -96,6 +98,63 @@ def scale_loss(loss: jax.Array, x: Any) -> jax.Array:
   return jnp.asarray(loss).astype(jnp.float32) * _scale_of(x)
 
 
+def _is_inexact_array(x: Any) -> bool:
+  # The leaves `equinox.filter_value_and_grad` differentiates: floating or
+  # complex JAX/NumPy arrays. Python scalars are not arrays.
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and bool(
+    jnp.issubdtype(x.dtype, jnp.inexact)
+  )
+
+
+def _check_argnums(argnums: Any) -> int | tuple[int, ...]:
+  try:
+    return operator.index(argnums)
+  except TypeError:
+    pass
+  try:
+    nums = tuple(operator.index(a) for a in argnums)
+  except TypeError:
+    raise TypeError(
+      "`lossscale.value_and_grad(argnums=...)` must be an int or a sequence of"
+      f" ints, got {argnums!r} instead."
+    ) from None
+  if not nums:
+    raise ValueError(
+      "`lossscale.value_and_grad(argnums=...)` must name at least one"
+      " positional argument, got () instead."
+    )
+  if len(set(nums)) != len(nums):
+    raise ValueError(
+      f"`lossscale.value_and_grad(argnums={argnums!r})` repeats an argument;"
+      " jax.value_and_grad does not support repeated argnums either."
+    )
+  return nums
+
+
+def _positions(argnums: int | tuple[int, ...], n: int) -> tuple[int, ...]:
+  """`argnums` as non-negative positions among `n` positional arguments."""
+  nums = (argnums,) if isinstance(argnums, int) else argnums
+  if max(nums) >= n:  # jax.value_and_grad raises TypeError here, too.
+    raise TypeError(
+      f"`lossscale.value_and_grad(argnums={argnums!r})` needs at least"
+      f" {max(nums) + 1} positional arguments after the scale source, got {n}."
+    )
+  if min(nums) < -n:  # ... and ValueError here.
+    raise ValueError(
+      f"`lossscale.value_and_grad(argnums={argnums!r})`: index {min(nums)} is"
+      f" out of range for {n} positional arguments after the scale source"
+      f" (valid: -{n} to {n - 1})."
+    )
+  positions = tuple(a + n if a < 0 else a for a in nums)
+  if len(set(positions)) != len(positions):
+    raise ValueError(
+      f"`lossscale.value_and_grad(argnums={argnums!r})` names the same"
+      f" argument twice among {n} positional arguments; jax.value_and_grad"
+      " does not support repeated argnums either."
+    )
+  return positions
+
+
 def value_and_grad(
   fun: Callable[..., Any],
   argnums: int | Sequence[int] = 0,
@@ -104,42 +163,93 @@ def value_and_grad(
   """Like `jax.value_and_grad`, with the loss scaled before differentiation.
 
   The returned function takes the scale source first, then `fun`'s arguments:
-  `grad_fn(opt_state, *args, **kwargs)`. It returns the *unscaled* loss (with
-  aux when `has_aux`) and the gradients of the *scaled* loss, ready for a
-  loss-scaling wrapper's `update`, which divides them back.
+  `grad_fn(scale_source, *args, **kwargs)`. The scale source is never
+  differentiated; `argnums` counts `fun`'s own positional arguments, negative
+  values from the end, as in `jax.value_and_grad`. It returns the *unscaled*
+  loss (with aux when `has_aux`) and the gradients of the *scaled* loss
+  `scale_loss(loss, scale_source)`, which a loss-scaling wrapper's `update`
+  divides back.
+
+  A differentiated argument may be any pytree, such as an Equinox module: its
+  floating and complex array leaves (JAX or NumPy) are differentiated, and
+  every other leaf (integer or bool arrays, functions, Python numbers) gets
+  `None`, as `equinox.filter_value_and_grad` does. So a Python `float` gets
+  `None`; pass `jnp.asarray(x)` to differentiate it. When every leaf is a
+  floating array, the result is exactly that of `jax.value_and_grad`.
 
   Args:
-    fun: the loss function; returns a scalar loss, or `(loss, aux)` when
+    fun: the loss function; returns a real scalar loss, or `(loss, aux)` when
       `has_aux`.
-    argnums: which of `fun`'s positional arguments to differentiate
-      (counted without the leading scale source).
+    argnums: which of `fun`'s positional arguments to differentiate: an int
+      or a sequence of ints (then the gradients come as a tuple).
     has_aux: whether `fun` returns `(loss, aux)`.
 
   Returns:
-    `grad_fn(scale_source, *args, **kwargs) -> (loss, grads)` or
-    `((loss, aux), grads)`, where `scale_source` is anything
+    `grad_fn(scale_source, *args, **kwargs) -> (loss, grads)`, or
+    `((loss, aux), grads)` with `has_aux`, where `scale_source` is anything
     `lossscale.scale_loss` accepts.
+
+  Raises:
+    TypeError: `argnums` is not an int or a sequence of ints; or, when called,
+      it points past the last positional argument, `fun` returns a loss that
+      is not a real floating scalar, or (with `has_aux`) not a pair.
+    ValueError: `argnums` is empty or names an argument twice; or, when
+      called, a negative index is below `-len(args)`.
 
   Examples:
     >>> import jax.numpy as jnp
     >>> import lossscale as ls
-    >>> loss_fn = lambda w, x: jnp.sum(w * x)
-    >>> grad_fn = ls.value_and_grad(loss_fn)
-    >>> loss, grads = grad_fn(8.0, jnp.ones(2), jnp.array([1.0, 2.0]))
-    >>> loss, grads
-    (Array(3., dtype=float32), Array([ 8., 16.], dtype=float32))
+    >>> params = {"w": jnp.array([1.0, 2.0]), "steps": 3}
+    >>> loss_fn = lambda p, x: jnp.sum(p["w"] * x)
+    >>> ls.value_and_grad(loss_fn)(8.0, params, jnp.array([1.0, -1.0]))
+    (Array(-1., dtype=float32), {'steps': None, 'w': Array([ 8., -8.], dtype=float32)})
+
+  References:
+    Micikevicius et al., 2018, "Mixed Precision Training" (loss scaling).
   """
-
-  def scaled(scale, *args, **kwargs):
-    out = fun(*args, **kwargs)
-    loss, aux = out if has_aux else (out, None)
-    return scale_loss(loss, scale), (loss, aux)
-
-  shifted = argnums + 1 if isinstance(argnums, int) else tuple(a + 1 for a in argnums)
-  grad_fn = jax.value_and_grad(scaled, argnums=shifted, has_aux=True)
+  argnums = _check_argnums(argnums)
 
   def wrapped(scale_source, *args, **kwargs):
-    (_, (loss, aux)), grads = grad_fn(_scale_of(scale_source), *args, **kwargs)
+    scale = _scale_of(scale_source)
+    positions = _positions(argnums, len(args))
+    args = list(args)
+    # Arguments with leaves that cannot be differentiated: jax differentiates
+    # a copy holding None there; `scaled` puts the original leaves back.
+    held = {}
+    for i in positions:
+      leaves, treedef = jax.tree.flatten(args[i])
+      keep = [_is_inexact_array(x) for x in leaves]
+      if not all(keep):
+        held[i] = (treedef, leaves, keep)
+        args[i] = treedef.unflatten(
+          [x if k else None for x, k in zip(leaves, keep, strict=True)]
+        )
+
+    def scaled(*diff_args, **kwargs):
+      full = list(diff_args)
+      for i, (treedef, leaves, keep) in held.items():
+        diff = treedef.flatten_up_to(full[i])
+        full[i] = treedef.unflatten(
+          [d if k else x for d, x, k in zip(diff, leaves, keep, strict=True)]
+        )
+      out = fun(*full, **kwargs)
+      if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+          "`lossscale.value_and_grad(has_aux=True)` needs `fun` to return a"
+          f" pair (loss, aux), got {type(out).__name__} instead."
+        )
+      loss, aux = out if has_aux else (out, None)
+      dtype = jnp.asarray(loss).dtype
+      if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+          "`lossscale.value_and_grad` needs `fun` to return a real floating"
+          f" loss (as jax.value_and_grad does), got dtype {dtype} instead."
+        )
+      return scale_loss(loss, scale), (loss, aux)
+
+    jax_argnums = positions[0] if isinstance(argnums, int) else positions
+    grad_fn = jax.value_and_grad(scaled, argnums=jax_argnums, has_aux=True)
+    (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
   return wrapped
