@@ -137,13 +137,13 @@ def _positions(argnums: int | tuple[int, ...], n: int) -> tuple[int, ...]:
   if max(nums) >= n:  # jax.value_and_grad raises TypeError here, too.
     raise TypeError(
       f"`lossscale.value_and_grad(argnums={argnums!r})` needs at least"
-      f" {max(nums) + 1} positional arguments after the scale source, got {n}."
+      f" {max(nums) + 1}, got {n} positional arguments after the scale source."
     )
   if min(nums) < -n:  # ... and ValueError here.
     raise ValueError(
       f"`lossscale.value_and_grad(argnums={argnums!r})`: index {min(nums)} is"
-      f" out of range for {n} positional arguments after the scale source"
-      f" (valid: -{n} to {n - 1})."
+      f" out of range (valid: -{n} to {n - 1}), got {n} positional arguments"
+      " after the scale source."
     )
   positions = tuple(a + n if a < 0 else a for a in nums)
   if len(set(positions)) != len(positions):
