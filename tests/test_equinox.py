@@ -1,5 +1,8 @@
 """Equinox models with lossscale: value_and_grad, tx.update and the fused step."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,3 +185,8 @@ def test_fused_apply_gradients_trains_and_skips():
   _assert_trees_equal(_params(new_model), _params(model))
   assert float(ls.get_loss_scale(new_state)) == SCALE / 2
   assert int(new_state.skipped_steps) == 1
+
+
+def test_lossscale_does_not_import_equinox():
+  code = "import sys, lossscale; sys.exit('equinox' in sys.modules)"
+  assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
