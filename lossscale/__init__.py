@@ -2,9 +2,6 @@
 
 from importlib import metadata as _metadata
 
-from lossscale._access import get_loss_scale as get_loss_scale
-from lossscale._access import scale_loss as scale_loss
-from lossscale._access import value_and_grad as value_and_grad
 from lossscale._diagnostics import LossScaleStalledError as LossScaleStalledError
 from lossscale._diagnostics import check_not_stalled as check_not_stalled
 from lossscale._diagnostics import nonfinite_leaves as nonfinite_leaves
@@ -19,6 +16,9 @@ from lossscale._precision import Float16RangeReport as Float16RangeReport
 from lossscale._precision import cast_floating as cast_floating
 from lossscale._precision import float16_range_report as float16_range_report
 from lossscale._precision import with_compute_dtype as with_compute_dtype
+from lossscale._scaled_grad import get_loss_scale as get_loss_scale
+from lossscale._scaled_grad import scale_loss as scale_loss
+from lossscale._scaled_grad import value_and_grad as value_and_grad
 
 try:
   __version__ = _metadata.version("lossscale")

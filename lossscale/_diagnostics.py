@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale import _validation
-from lossscale._access import _unwrap, find_state
 from lossscale._finite import is_inexact
+from lossscale._scaled_grad import _unwrap, find_state
 
 # Well above the longest stretch of skips a healthy run shows: backing off
 # from the largest default scale (2**24) to the smallest (1.0) takes 24

@@ -38,8 +38,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     " `pip install 'lossscale[flax]'` (or `pip install flax`)."
   ) from e
 
-from lossscale._access import find_state, get_loss_scale
 from lossscale._fused import apply_gradients
+from lossscale._scaled_grad import find_state, get_loss_scale
 
 __all__ = ["TrainState"]
 

@@ -394,7 +394,7 @@ def test_wrapper_inside_optax_masked_sees_masked_nodes():
   with _standard():
     tx = optax.masked(ls.dynamic_loss_scale(optax.adam(0.1), initial_scale=8.0), mask)
     state = tx.init(params)
-    inner = ls._access.find_state(state)
+    inner = ls._scaled_grad.find_state(state)
     assert isinstance(inner.inner_state[0].mu["frozen"], optax.MaskedNode)
     update = jax.jit(tx.update)
     updates, state = update(
@@ -410,7 +410,7 @@ def test_wrapper_inside_optax_masked_sees_masked_nodes():
     updates, state = update(
       {"w": jnp.array([NAN, 1.0]), "frozen": jnp.ones(1)}, state, params
     )
-  assert int(ls._access.find_state(state).skipped_steps) == 1
+  assert int(ls._scaled_grad.find_state(state).skipped_steps) == 1
   np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
   assert ls.nonfinite_leaves(state) == {}
 
