@@ -1,8 +1,5 @@
 """Checkpointing the whole optimizer state with orbax, and resuming exactly."""
 
-import pathlib
-import re
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -199,25 +196,3 @@ def test_flax_train_state_with_checkpoint_manager(tmp_path):
   # Plain Flax counts skipped steps too.
   assert int(restored.step) == _N_STEPS
   assert int(optax.tree.get(restored.opt_state, "skipped_steps")) == len(_BAD_STEPS)
-
-
-def test_docs_checkpointing_page_runs(tmp_path, monkeypatch):
-  page = pathlib.Path(__file__).parents[1] / "docs" / "checkpointing.md"
-  blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL)
-  assert len(blocks) >= 5
-  monkeypatch.chdir(tmp_path)
-  namespace = {"__name__": "docs_checkpointing"}
-  with _standard():
-    for block in blocks:
-      exec(compile(block, str(page), "exec"), namespace)
-  # The page's claims hold on its own run.
-  restored = namespace["restored"]["opt_state"]
-  assert int(optax.tree.get(restored, "skipped_steps")) == 3  # batches 5, 12, 13
-  assert sorted(p.name for p in (tmp_path / "checkpoints" / "flax").iterdir()) == [
-    "10",
-    "20",
-  ]
-  assert int(namespace["state"].step) == 40
-  wrapped = namespace["opt_state"]
-  _assert_trees_equal(wrapped.inner_state, namespace["old_opt_state"])
-  assert float(wrapped.loss_scale) == 2.0**15

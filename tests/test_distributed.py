@@ -6,9 +6,7 @@ reference throughout is single-device training on the averaged gradients.
 """
 
 import collections
-import contextlib
 import importlib.util
-import io
 import json
 import os
 import pathlib
@@ -629,32 +627,6 @@ def test_two_processes_skip_together(tmp_path):
   for pos, params in ref["params_b"].items():
     for name, value in params.items():
       np.testing.assert_allclose(per_device[pos][name], value, rtol=1e-6, atol=1e-7)
-
-
-# The docs page's examples.
-
-_PAGE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "data-parallel.md"
-
-
-def test_data_parallel_page_examples_run_and_print_what_it_shows():
-  """Runs the page's `python` blocks in order; a `text` block after one is
-  its expected output. (`py` blocks, such as the multi-host setup, are
-  illustrations and are not run.)"""
-  blocks = re.findall(r"^```(\w+)\n(.*?)^```$", _PAGE.read_text(), re.M | re.S)
-  assert [lang for lang, _ in blocks].count("python") >= 4
-  namespace = {"__name__": "data_parallel_page"}
-  checked = 0
-  for i, (lang, code) in enumerate(blocks):
-    if lang != "python":
-      continue
-    out = io.StringIO()
-    # The page is user code: JAX's default (standard) dtype promotion.
-    with jax.numpy_dtype_promotion("standard"), contextlib.redirect_stdout(out):
-      exec(compile(code, f"{_PAGE.name} block {i}", "exec"), namespace)
-    if i + 1 < len(blocks) and blocks[i + 1][0] == "text":
-      assert out.getvalue().strip() == blocks[i + 1][1].strip(), f"block {i}"
-      checked += 1
-  assert checked >= 4
 
 
 def test_float16_overflow_in_the_reduction_skips_on_every_replica():
