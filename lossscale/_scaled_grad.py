@@ -33,7 +33,7 @@ def find_state(x: Any) -> LossScaleState:
     if isinstance(n, LossScaleState)
   ]
   if len(found) != 1:
-    what = "no" if not found else f"{len(found)}"
+    what = "none" if not found else f"{len(found)}"
     raise ValueError(
       f"Expected exactly one lossscale.LossScaleState inside the given"
       f" {type(x).__name__}, found {what}. Build the optimizer with"

@@ -15,13 +15,6 @@ eqx = pytest.importorskip("equinox")
 
 SCALE = 2.0**10
 
-# TODO(compat): remove once lossscale runs on jax 0.4.35, whose jax.tree lacks
-# leaves_with_path (tx.update calls it); these tests pass there with a shim.
-_needs_new_jax = pytest.mark.skipif(
-  not hasattr(jax.tree, "leaves_with_path"),
-  reason=f"tx.update needs jax.tree.leaves_with_path, absent in jax {jax.__version__}",
-)
-
 
 def _mlp(seed=0):
   return eqx.nn.MLP(2, 1, 8, 1, key=jax.random.PRNGKey(seed))
@@ -111,7 +104,6 @@ def _train(step, model, opt_state, x, y, n):
   return model, opt_state, losses
 
 
-@_needs_new_jax
 def test_filter_jit_training_matches_plain_adam_and_decreases_the_loss():
   tx = ls.dynamic_loss_scale(optax.adam(1e-2), initial_scale=SCALE)
   ref_tx = optax.adam(1e-2)
@@ -139,7 +131,6 @@ def test_filter_jit_training_matches_plain_adam_and_decreases_the_loss():
   assert int(opt_state.skipped_steps) == 0
 
 
-@_needs_new_jax
 def test_skipped_step_leaves_the_model_bit_for_bit_and_backs_off():
   tx = ls.dynamic_loss_scale(optax.adam(1e-2), initial_scale=SCALE)
 
@@ -162,7 +153,6 @@ def test_skipped_step_leaves_the_model_bit_for_bit_and_backs_off():
   assert int(new_state.skipped_steps) == 1
 
 
-@_needs_new_jax
 def test_fused_apply_gradients_trains_and_skips():
   tx = ls.dynamic_loss_scale(optax.adam(1e-2), initial_scale=SCALE)
 
