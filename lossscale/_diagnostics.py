@@ -52,28 +52,25 @@ def check_not_stalled(
   """Raises `LossScaleStalledError` when too many steps in a row were skipped.
 
   A loss-scaling wrapper never applies a non-finite update: when the
-  gradients stay non-finite it keeps skipping (and backing the scale off to
-  `min_scale`) instead of giving up, unlike `optax.apply_if_finite`. This
-  one-line check turns such a silent stall into a loud error. Call it on the
-  host after each step (or every few steps); it reads two scalars from the
-  state::
+  gradients stay non-finite it skips every step, silently. Call this on the
+  host after each step (it reads a few scalars) to turn such a stall into a
+  loud error that names the likely causes:
 
-      params, opt_state = train_step(params, opt_state, batch)
-      lossscale.check_not_stalled(opt_state)
+  ```python
+  params, opt_state = train_step(params, opt_state, batch)
+  lossscale.check_not_stalled(opt_state)
+  ```
 
-  The check passes while the state's `consecutive_skips` is below
-  `max_consecutive_skips`. For a state batched with `jax.vmap` (an ensemble)
-  it raises when any member has stalled; for a `pmap`-replicated state the
-  replicas agree and are checked together.
+  It raises once `consecutive_skips >= max_consecutive_skips`; for a state
+  batched with `jax.vmap` (an ensemble), when any member has stalled.
 
   Args:
     x: an optimizer state with a `LossScaleState` nested anywhere inside, a
       Flax `TrainState` or an `nnx.Optimizer` (anything
       `lossscale.get_loss_scale` accepts). Concrete values, not tracers.
-    max_consecutive_skips: how many skipped steps in a row are tolerated; a
-      positive int (at most 2**31 - 1, where the counter saturates). The
-      default, 100, is far above the 24 skips that back the largest default
-      scale (2**24) off to 1.0.
+    max_consecutive_skips: how many skipped steps in a row are tolerated, a
+      positive int32. The default, 100, is far above the 24 skips that back
+      the largest default scale (2**24) off to 1.0.
     min_scale: the wrapper's `min_scale`, if known; only used to say in the
       message whether the scale is pinned at its floor (the state does not
       record it).

@@ -1,18 +1,4 @@
-"""Cross-replica gradient averaging: TensorFlow's `CrossShardOptimizer`, as optax.
-
-`cross_shard_mean(axis)` all-reduces every update leaf over a named axis. Put
-it first in an `optax.chain`, before the loss-scaling wrapper::
-
-    tx = optax.chain(
-      lossscale.cross_shard_mean("batch"),
-      lossscale.dynamic_loss_scale(optax.adamw(1e-3)),
-    )
-
-Then every replica feeds the *same* averaged gradients to the wrapper, so its
-finite check, skip decision and scale update are the same on every replica
-without any further communication: an inf or NaN on one replica reaches every
-replica through the all-reduce (`inf + x = inf`, `nan + x = nan`).
-"""
+"""Cross-replica gradient averaging: TensorFlow's `CrossShardOptimizer`, as optax."""
 
 from __future__ import annotations
 
@@ -32,30 +18,15 @@ def cross_shard_mean(
 ) -> optax.GradientTransformation:
   """All-reduces the updates over `axis_name`: the `CrossShardOptimizer` analogue.
 
-  Each call of `update` returns the mean (`reduction="mean"`, as
-  `jax.lax.pmean`) or the sum (`"sum"`, `jax.lax.psum`) over the replicas of
-  every floating (or complex) leaf, in the leaf's own dtype; integer, boolean
-  and `float0` leaves carry no gradient and pass through unchanged. The state
-  is `optax.EmptyState`.
-
-  The mean is exactly `jax.lax.pmean` (a sum, then a division). Dividing
-  first would flush small float16 values to zero, the silent underflow loss
-  scaling exists to prevent; summing first can overflow a float16 sum whose
-  mean would fit, but that overflow is loud: every replica sees the inf, and
-  a loss-scaling wrapper chained after skips the step and backs off the scale
-  until the sum fits.
-
-  Chain it *before* a loss-scaling wrapper, as TensorFlow's
-  `CrossShardOptimizer(LossScaleOptimizer(...), reduction=MEAN)` did: the
-  wrapper then sees identical gradients on every replica, and an inf or NaN on
-  any replica propagates through the all-reduce, so all replicas skip the step
-  and adjust the scale together with no extra collective (no `axis_name` on
-  the wrapper is needed).
-
-  Call `update` where `axis_name` is bound: inside `jax.pmap(...,
-  axis_name=...)` or inside `jax.shard_map` over a `Mesh` with that axis.
-  Under plain `jax.jit` on sharded arrays (SPMD), gradients of a global loss
-  are already global: no `cross_shard_mean` is needed there.
+  `update` returns the mean (`jax.lax.pmean`) or the sum (`jax.lax.psum`) over
+  the replicas of every floating or complex leaf, in the leaf's own dtype;
+  integer, boolean and `float0` leaves pass through. Chain it *before* a
+  loss-scaling wrapper: every replica then feeds the same gradients to the
+  wrapper, and an inf or NaN on any replica reaches all of them through the
+  all-reduce, so all replicas skip together with no further collective. Call
+  `update` where the axis is bound (`jax.pmap(..., axis_name=...)` or
+  `shard_map`); under SPMD `jax.jit` gradients are already global. Why the
+  mean is not divided first: docs/data-parallel.md.
 
   Args:
     axis_name: the mapped axis to reduce over, such as `"batch"`, or a tuple
@@ -65,7 +36,8 @@ def cross_shard_mean(
       `"sum"` (`jax.lax.psum`, `Reduction.SUM`).
 
   Returns:
-    A stateless `optax.GradientTransformation`.
+    A stateless `optax.GradientTransformation` (its state is
+    `optax.EmptyState`).
 
   Raises:
     ValueError: at construction, for an unsupported `reduction` or an invalid
@@ -90,6 +62,9 @@ def cross_shard_mean(
     Traceback (most recent call last):
     ...
     ValueError: Unsupported reduction: 'max'. ...
+
+  References:
+    TensorFlow `tf.compat.v1.tpu.CrossShardOptimizer` (`reduction=MEAN|SUM`).
   """
   fn = "cross_shard_mean"
   if not isinstance(reduction, str) or reduction not in _REDUCTIONS:

@@ -352,17 +352,12 @@ def dynamic_loss_scale(
   checks them. A finite step runs `inner` on the unscaled gradients; a
   non-finite step returns zero updates and leaves `inner`'s state bit for bit
   (transformations chained *after* the wrapper still run, on those zeros;
-  `lossscale.apply_gradients` skips them too). Then the scale moves:
-
-  ```
-  finite:      good += 1
-               if good == growth_interval:
-                 scale = min(scale * growth_factor, max_scale); good = 0; h = hysteresis
-  non-finite:  good = 0; h -= 1
-               if h <= 0:
-                 scale = max(scale * backoff_factor, min_scale)
-                 if reset_hysteresis_on_backoff: h = hysteresis
-  ```
+  `lossscale.apply_gradients` skips them too). Then the scale moves: it is
+  multiplied by `growth_factor` (up to `max_scale`) on exactly the
+  `growth_interval`-th consecutive finite step, and by `backoff_factor` (down
+  to `min_scale`) on the `hysteresis`-th non-finite step since it last grew,
+  then on every one (or, with `reset_hysteresis_on_backoff`, on every
+  `hysteresis`-th). The rule in full is in docs/how-it-works.md.
 
   `inner` sees float32 gradients (or wider), and its state keeps the dtypes
   `inner.init(params)` gave it: bfloat16 or float16 parameters keep

@@ -1,22 +1,9 @@
-"""Flax integration: a `TrainState` that keeps TensorFlow's skipped-step contract.
-
-`lossscale.flax.TrainState` is `flax.training.train_state.TrainState` with one
-change in `apply_gradients`: when the loss-scaling optimizer skips a step
-(the gradients held an inf or a NaN), nothing in the train state moves.
-`step` is not incremented (as TensorFlow's `global_step` was not), `params`
-stay as they were, and fields passed through `**kwargs` (such as BatchNorm's
-`batch_stats`, computed in the same bad forward pass) keep their old values.
-
-Whether the step was applied is read from the wrapper's
-`LossScaleState.last_finite` in the new optimizer state, so the wrapper's
-state machine stays the only one.
+"""Flax integration: a linen `TrainState` with TensorFlow's skipped-step contract.
 
 Flax NNX needs no subclass: `nnx.Optimizer(model, tx, wrt=nnx.Param)` with a
 loss-scaling `tx` already leaves the model unchanged on a skipped step (the
-updates are exact zeros), and `lossscale.get_loss_scale`,
-`lossscale.scale_loss` and `lossscale.value_and_grad` accept the
-`nnx.Optimizer` itself. Its own `step` counter counts calls, skipped or not;
-read `skipped_steps` from the state (see `docs/flax.md`).
+updates are exact zeros), and `lossscale.get_loss_scale`, `scale_loss` and
+`value_and_grad` accept the `nnx.Optimizer` itself (docs/flax.md).
 """
 
 from __future__ import annotations
@@ -48,31 +35,20 @@ class TrainState(train_state.TrainState):
   """A Flax `TrainState` whose skipped steps leave it unchanged.
 
   Build it like Flax's (`TrainState.create(apply_fn=..., params=..., tx=...)`)
-  with `tx` a loss-scaling optimizer (`lossscale.dynamic_loss_scale`,
-  `static_loss_scale` or `skip_nonfinite`, possibly inside an `optax.chain`).
-  `apply_gradients(grads=...)` takes gradients of the *scaled* loss; on a
-  finite step it gives the same result as Flax's, and on a skipped step it
-  returns a state in which only the optimizer state changed (the loss scale
-  backed off and `skipped_steps` grew)::
-
-      params, opt_state = lossscale.apply_gradients(tx, grads, opt_state, params)
-      applied = the wrapper's LossScaleState.last_finite
-      step   = step + 1 if applied else step
-      kwargs fields = new values if applied else old values
-
-  The optimizer step is `lossscale.apply_gradients`, the fused path: the
-  whole update sits behind one `lax.cond`, so a skipped step runs no
-  optimizer and returns the params bit for bit (Flax's float8
-  `OVERWRITE_WITH_GRADIENT` gradients go through Flax's own step instead,
-  with the params selected afterwards). `step` is a strongly typed int32
-  that saturates instead of wrapping and counts applied updates only, like
-  TensorFlow's `global_step` under `LossScaleOptimizer`. `step` and the
-  kwargs fields are chosen with a select (`jnp.where`), so it all works
+  with `tx` holding one loss-scaling wrapper. `apply_gradients(grads=...)`
+  takes gradients of the *scaled* loss and runs `lossscale.apply_gradients`:
+  on a finite step the result is Flax's; on a skipped step only the
+  optimizer state changes (the scale backs off, `skipped_steps` grows), and
+  `step`, `params` and the fields passed as keyword arguments (such as
+  `batch_stats`) keep their old values. `step` is an int32 that counts
+  applied updates only, like TensorFlow's `global_step`; whether a step was
+  applied is the wrapper's `LossScaleState.last_finite`. Flax's float8
+  `OVERWRITE_WITH_GRADIENT` gradients go through Flax's own step. It works
   under `jax.jit`, `jax.pmap` and `jax.vmap`.
 
   Attributes:
     loss_scale: the current loss scale (float32); a property, not a field,
-      so `optax.tree.get(state, "loss_scale")` still finds exactly one value.
+      so the state holds exactly one leaf named `loss_scale`.
     skipped_steps: the number of skipped steps so far (int32).
 
   Examples:
