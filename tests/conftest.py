@@ -9,3 +9,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def pytest_terminal_summary(terminalreporter):
+  """Names the stack under test (`make test` runs the newest and the oldest)."""
+  from importlib import metadata
+
+  def version(name):
+    try:
+      return metadata.version(name)
+    except metadata.PackageNotFoundError:
+      return "not installed"
+
+  names = ("jax", "jaxlib", "optax", "flax")
+  stack = ", ".join(f"{n} {version(n)}" for n in names)
+  terminalreporter.write_line(f"stack: {stack}")

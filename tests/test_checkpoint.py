@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax.training import train_state
+from optax.tree_utils import tree_get
 
 import lossscale as ls
 
@@ -29,7 +30,7 @@ def _assert_trees_equal(a, b):
   """Same structure, node types, dtypes, weak types and bits."""
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for (path, x), y in zip(
-    jax.tree.leaves_with_path(a), jax.tree.leaves(b), strict=True
+    jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True
   ):
     where = jax.tree_util.keystr(path)
     assert x.dtype == y.dtype, where
@@ -198,7 +199,7 @@ def test_flax_train_state_with_checkpoint_manager(tmp_path):
   _assert_train_states_equal(restored, full)
   # Plain Flax counts skipped steps too.
   assert int(restored.step) == _N_STEPS
-  assert int(optax.tree.get(restored.opt_state, "skipped_steps")) == len(_BAD_STEPS)
+  assert int(tree_get(restored.opt_state, "skipped_steps")) == len(_BAD_STEPS)
 
 
 def test_docs_checkpointing_page_runs(tmp_path, monkeypatch):
@@ -212,7 +213,7 @@ def test_docs_checkpointing_page_runs(tmp_path, monkeypatch):
       exec(compile(block, str(page), "exec"), namespace)
   # The page's claims hold on its own run.
   restored = namespace["restored"]["opt_state"]
-  assert int(optax.tree.get(restored, "skipped_steps")) == 3  # batches 5, 12, 13
+  assert int(tree_get(restored, "skipped_steps")) == 3  # batches 5, 12, 13
   assert sorted(p.name for p in (tmp_path / "checkpoints" / "flax").iterdir()) == [
     "10",
     "20",

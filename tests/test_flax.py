@@ -8,6 +8,7 @@ import optax
 import pytest
 from flax import nnx, struct
 from flax.training import train_state
+from optax.tree_utils import tree_get, tree_get_all_with_path
 
 import lossscale as ls
 from lossscale.flax import TrainState
@@ -115,9 +116,9 @@ def test_train_state_is_a_flax_train_state_and_reports_its_scale():
   assert isinstance(state, train_state.TrainState)
   assert int(state.step) == 0 and state.step.dtype == jnp.int32
   # `loss_scale` is a property, not a field: exactly one value in the tree.
-  found = optax.tree.get_all_with_path(state, "loss_scale")
+  found = tree_get_all_with_path(state, "loss_scale")
   assert len(found) == 1 and float(found[0][1]) == 64.0
-  assert float(optax.tree.get(state, "loss_scale")) == 64.0
+  assert float(tree_get(state, "loss_scale")) == 64.0
   assert float(ls.get_loss_scale(state)) == 64.0
   assert float(ls.scale_loss(jnp.float16(0.5), state)) == 32.0
   assert int(state.skipped_steps) == 0

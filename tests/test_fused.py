@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import _compat
 import lossscale as ls
 
 INF, NAN = float("inf"), float("nan")
@@ -313,7 +314,7 @@ def test_collectives_after_averaging_in_shard_map(axis_name, extra_scalar):
     return optax.apply_updates(p, u), s
 
   def count(fused):
-    f = jax.shard_map(
+    f = _compat.shard_map(
       functools.partial(step, fused),
       mesh=mesh,
       in_specs=(P(), P(), P("batch")),
