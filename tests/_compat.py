@@ -70,6 +70,14 @@ def noisy_sgd(learning_rate, key=0):
   return optax.noisy_sgd(learning_rate, seed=key)
 
 
+def nnx_optimizer_update(optimizer, model, grads):
+  """`optimizer.update(model, grads)`; Flax 0.10's `nnx.Optimizer` holds the model
+  itself and takes `update(grads)`."""
+  if "model" in inspect.signature(type(optimizer).update).parameters:
+    return optimizer.update(model, grads)
+  return optimizer.update(grads)
+
+
 needs_jax_shard_map = pytest.mark.skipif(
   not HAS_SHARD_MAP, reason="shows `jax.shard_map`, which this JAX does not have"
 )

@@ -10,6 +10,7 @@ from flax import nnx, struct
 from flax.training import train_state
 from optax.tree_utils import tree_get, tree_get_all_with_path
 
+import _compat
 import lossscale as ls
 from lossscale.flax import TrainState
 
@@ -220,7 +221,7 @@ def test_nnx_optimizer_skips_and_exposes_the_scale():
   def train_step(model, optimizer, x, y):
     loss_fn = lambda m: jnp.mean((m(x) - y) ** 2)
     loss, grads = ls.value_and_grad(loss_fn)(optimizer, model)
-    optimizer.update(model, grads)
+    _compat.nnx_optimizer_update(optimizer, model, grads)
     return loss
 
   x = jnp.array([[1.0, 2.0, 3.0], [0.5, -1.0, 2.0]])
