@@ -1,11 +1,16 @@
-# `make test` and `make demo` set up .venv themselves on a fresh machine.
+# `make test` and `make demo` set up their virtual environments themselves on a
+# fresh machine (Python 3.11+ and pip): .venv has the newest releases,
+# .venv-oldest the lower bounds that pyproject.toml states.
 PYTHON ?= python3
 export NO_MKDOCS_2_WARNING := 1
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+OLDEST := .venv-oldest
+OLDEST_PY := $(OLDEST)/bin/python
+OLDEST_STAMP := $(OLDEST)/.installed
 
-.PHONY: test demo docs lint bench clean
+.PHONY: test test-newest test-oldest docs-check demo docs lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -13,12 +18,30 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# The oldest supported stack: every runtime, flax and test requirement pinned
+# to its lower bound in pyproject.toml (.ci/lower_bounds.py writes the pins).
+$(OLDEST_STAMP): pyproject.toml .ci/lower_bounds.py
+	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST)
+	$(OLDEST_PY) -m pip install --quiet --upgrade pip
+	$(OLDEST_PY) .ci/lower_bounds.py flax test > $(OLDEST)/constraints.txt
+	$(OLDEST_PY) -m pip install --quiet -c $(OLDEST)/constraints.txt -e ".[test]"
+	touch $(OLDEST_STAMP)
+
+# Lint, the suite (doctests included) on the newest stack, a strict docs
+# build, then the suite on the oldest stack.
+test: lint test-newest docs-check test-oldest
+
+test-newest: $(STAMP)
+	$(PY) -m pytest -q
+
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_PY) -m pytest -q
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-test: $(STAMP) lint
-	$(PY) -m pytest -q
+docs-check: $(STAMP)
 	$(PY) -m mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 docs: $(STAMP)
@@ -31,4 +54,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py
 
 clean:
-	rm -rf $(VENV) site build dist .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) site build dist .pytest_cache .ruff_cache

@@ -20,6 +20,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import _compat
 import lossscale as ls
 
 STEPS = 8
@@ -70,12 +71,14 @@ def train(mesh: jax.sharding.Mesh, bad_positions: list[int]) -> dict:
   )
 
   @jax.jit
-  @jax.shard_map(mesh=mesh, in_specs=(P(), P(), P("batch"), P("batch")), out_specs=P())
+  @_compat.shard_map(
+    mesh=mesh, in_specs=(P(), P(), P("batch"), P("batch")), out_specs=P()
+  )
   def step_a(params, opt_state, x, y):
     def scaled_loss(p):
       return ls.scale_loss(_loss(p, x, y), opt_state)
 
-    grads = jax.grad(scaled_loss)(jax.lax.pcast(params, "batch", to="varying"))
+    grads = jax.grad(scaled_loss)(_compat.pcast_varying(params, "batch"))
     with jax.numpy_dtype_promotion("standard"):
       updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -100,7 +103,7 @@ def train(mesh: jax.sharding.Mesh, bad_positions: list[int]) -> dict:
   )
 
   @jax.jit
-  @jax.shard_map(
+  @_compat.shard_map(
     mesh=mesh,
     in_specs=(P("batch"), P(), P("batch"), P("batch")),
     out_specs=(P("batch"), P()),
@@ -144,7 +147,7 @@ def train(mesh: jax.sharding.Mesh, bad_positions: list[int]) -> dict:
 
 def main(coordinator: str, process_id: int, out_path: str) -> None:
   jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_num_cpu_devices", 2)
+  _compat.set_cpu_device_count(2)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_numpy_dtype_promotion", "strict")
   jax.distributed.initialize(

@@ -7,5 +7,32 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def pytest_collection_modifyitems(items):
+  """Docstring examples that show `jax.shard_map` skip on a JAX without it."""
+  if hasattr(jax, "shard_map"):
+    return
+  skip = pytest.mark.skip(reason="shows `jax.shard_map`, which this JAX does not have")
+  for item in items:
+    examples = getattr(getattr(item, "dtest", None), "examples", ())
+    if any("jax.shard_map" in example.source for example in examples):
+      item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+  """Names the stack under test (`make test` runs the newest and the oldest)."""
+  from importlib import metadata
+
+  def version(name):
+    try:
+      return metadata.version(name)
+    except metadata.PackageNotFoundError:
+      return "not installed"
+
+  names = ("jax", "jaxlib", "optax", "flax")
+  stack = ", ".join(f"{n} {version(n)}" for n in names)
+  terminalreporter.write_line(f"stack: {stack}")

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax.training import train_state
+from optax.tree_utils import tree_get
 
 import lossscale as ls
 
@@ -26,7 +27,7 @@ def _assert_trees_equal(a, b):
   """Same structure, node types, dtypes, weak types and bits."""
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for (path, x), y in zip(
-    jax.tree.leaves_with_path(a), jax.tree.leaves(b), strict=True
+    jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True
   ):
     where = jax.tree_util.keystr(path)
     assert x.dtype == y.dtype, where
@@ -195,4 +196,4 @@ def test_flax_train_state_with_checkpoint_manager(tmp_path):
   _assert_train_states_equal(restored, full)
   # Plain Flax counts skipped steps too.
   assert int(restored.step) == _N_STEPS
-  assert int(optax.tree.get(restored.opt_state, "skipped_steps")) == len(_BAD_STEPS)
+  assert int(tree_get(restored.opt_state, "skipped_steps")) == len(_BAD_STEPS)

@@ -23,7 +23,9 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from optax.tree_utils import tree_get
 
+import _compat
 import lossscale as ls
 
 N = 8  # devices (tests/conftest.py)
@@ -84,8 +86,8 @@ def _scaled(loss, opt_state):
 
 
 def _counters(opt_state):
-  scale = optax.tree.get(opt_state, "loss_scale")
-  return np.asarray(scale), np.asarray(optax.tree.get(opt_state, "skipped_steps"))
+  scale = tree_get(opt_state, "loss_scale")
+  return np.asarray(scale), np.asarray(tree_get(opt_state, "skipped_steps"))
 
 
 def _expected_history():
@@ -194,14 +196,14 @@ def _mesh(shape=(N,), names=("batch",)):
 
 def _shard_map_step(tx, mesh):
   @jax.jit
-  @jax.shard_map(
+  @_compat.shard_map(
     mesh=mesh, in_specs=(P(), P(), P("batch"), P("batch")), out_specs=(P(), P())
   )
   def step(params, opt_state, x, y):
     # Differentiate a per-shard copy of the params: the gradients are then
     # this shard's own (varying), and `cross_shard_mean` averages them. (With
     # the replicated params, shard_map's check_vma would already psum them.)
-    local = jax.lax.pcast(params, "batch", to="varying")
+    local = _compat.pcast_varying(params, "batch")
     grads = jax.grad(lambda p: _scaled(_loss(p, x, y), opt_state))(local)
     updates, opt_state = _update(tx, grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -272,11 +274,11 @@ def test_spmd_jit_with_sharded_params_and_state_matches_single_device(reference)
   _assert_matches(history, reference)
   # FSDP-like: the params and adam's moments stayed sharded, one row block
   # per device; the scale is replicated.
-  mu_w = optax.tree.get(opt_state, "mu")["w"]
+  mu_w = tree_get(opt_state, "mu")["w"]
   for a in (params["w"], mu_w):
     assert a.sharding.spec == P("batch")
     assert a.addressable_shards[0].data.shape == (FEATURES // N, OUTPUTS)
-  assert optax.tree.get(opt_state, "loss_scale").sharding.is_fully_replicated
+  assert tree_get(opt_state, "loss_scale").sharding.is_fully_replicated
 
 
 # Collective counts in the compiled HLO.
@@ -428,7 +430,7 @@ def test_reduction_over_a_tuple_of_axes_on_2d_mesh(reduction):
   count = jnp.arange(N, dtype=jnp.int32)
 
   @jax.jit
-  @jax.shard_map(
+  @_compat.shard_map(
     mesh=mesh, in_specs=P(("data", "model")), out_specs=(P(), P(("data", "model")))
   )
   def reduce(g, count):
@@ -451,7 +453,7 @@ def test_reduction_over_one_axis_of_a_2d_mesh():
   tx = ls.cross_shard_mean("model")
 
   @jax.jit
-  @jax.shard_map(mesh=mesh, in_specs=P(("data", "model")), out_specs=P("data"))
+  @_compat.shard_map(mesh=mesh, in_specs=P(("data", "model")), out_specs=P("data"))
   def reduce(g):
     return tx.update({"g": g}, optax.EmptyState())[0]["g"]
 
@@ -490,7 +492,7 @@ def test_wrapper_axis_name_tuple_on_2d_mesh(axis_name, skipping):
   spec = P(("data", "model"))
 
   @jax.jit
-  @jax.shard_map(mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+  @_compat.shard_map(mesh=mesh, in_specs=spec, out_specs=(spec, spec))
   def step(g):
     updates, state = tx.update(g[0], tx.init(g[0]))
     return updates[None], state.skipped_steps[None]

@@ -8,7 +8,9 @@ import optax
 import pytest
 from flax import nnx, struct
 from flax.training import train_state
+from optax.tree_utils import tree_get, tree_get_all_with_path
 
+import _compat
 import lossscale as ls
 from lossscale.flax import TrainState
 
@@ -115,9 +117,9 @@ def test_train_state_is_a_flax_train_state_and_reports_its_scale():
   assert isinstance(state, train_state.TrainState)
   assert int(state.step) == 0 and state.step.dtype == jnp.int32
   # `loss_scale` is a property, not a field: exactly one value in the tree.
-  found = optax.tree.get_all_with_path(state, "loss_scale")
+  found = tree_get_all_with_path(state, "loss_scale")
   assert len(found) == 1 and float(found[0][1]) == 64.0
-  assert float(optax.tree.get(state, "loss_scale")) == 64.0
+  assert float(tree_get(state, "loss_scale")) == 64.0
   assert float(ls.get_loss_scale(state)) == 64.0
   assert float(ls.scale_loss(jnp.float16(0.5), state)) == 32.0
   assert int(state.skipped_steps) == 0
@@ -219,7 +221,7 @@ def test_nnx_optimizer_skips_and_exposes_the_scale():
   def train_step(model, optimizer, x, y):
     loss_fn = lambda m: jnp.mean((m(x) - y) ** 2)
     loss, grads = ls.value_and_grad(loss_fn)(optimizer, model)
-    optimizer.update(model, grads)
+    _compat.nnx_optimizer_update(optimizer, model, grads)
     return loss
 
   x = jnp.array([[1.0, 2.0, 3.0], [0.5, -1.0, 2.0]])

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import _compat
 import lossscale as ls
 
 INF, NAN = float("inf"), float("nan")
@@ -389,7 +390,7 @@ def test_inner_optimizer_traced_at_most_three_times_per_step():
     (lambda g, s, p: tx.update(g, s, p), 2),
   ]:
     traces.clear()
-    sharded = jax.shard_map(
+    sharded = _compat.shard_map(
       lambda g, s, p, fn=fn: fn(jax.tree.map(lambda x: x[0], g), s, p),
       mesh=mesh,
       in_specs=(P("batch"), P(), P()),
@@ -509,7 +510,7 @@ def test_collectives_after_averaging_in_shard_map(axis_name, extra_scalar):
     return optax.apply_updates(p, u), s
 
   def count(fused):
-    f = jax.shard_map(
+    f = _compat.shard_map(
       functools.partial(step, fused),
       mesh=mesh,
       in_specs=(P(), P(), P("batch")),

@@ -7,7 +7,9 @@ import numpy as np
 import optax
 import pytest
 from hypothesis import strategies as st
+from optax.tree_utils import tree_get
 
+import _compat
 import lossscale as ls
 
 INF, NAN = float("inf"), float("nan")
@@ -215,7 +217,7 @@ OPTIMIZERS = {
     learning_rate=1e-2
   ),
   "schedule": lambda: optax.adam(_SCHEDULE),
-  "noisy_sgd": lambda: optax.noisy_sgd(1e-2, key=0),
+  "noisy_sgd": lambda: _compat.noisy_sgd(1e-2, key=0),
 }
 
 
@@ -526,7 +528,7 @@ def test_state_leaves_are_distinct_buffers_so_it_can_be_donated():
 def test_loss_scale_field_is_unique_in_the_state():
   tx = optax.chain(optax.clip(1.0), ls.dynamic_loss_scale(optax.sgd(1.0)))
   state = tx.init({"w": jnp.ones(2)})
-  assert float(optax.tree.get(state, "loss_scale")) == 2.0**15
+  assert float(tree_get(state, "loss_scale")) == 2.0**15
 
 
 # ---------------------------------------------------------------------------
