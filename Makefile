@@ -42,7 +42,7 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check .
 
 docs-check: $(STAMP)
-	$(PY) -m mkdocs build --strict --quiet --site-dir $(VENV)/site
+	$(PY) -m mkdocs build --strict --site-dir $(VENV)/site
 
 docs: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir site

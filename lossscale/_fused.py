@@ -7,8 +7,9 @@ The decision is passed in plain sight, through the wrapper's `update`
    before the wrapper and the wrapper's finite check, and returns the
    wrapper's `Decision` in place of its state. No optimizer runs.
 2. `lax.cond(decision.finite, applied, skipped)`: `applied` is
-   `tx.update(..., lossscale_finite=decision.finite)` followed by
-   `optax.apply_updates`; `skipped` returns the parameters and the whole
+   `tx.update(..., lossscale_finite=decision)` followed by
+   `optax.apply_updates` (the wrapper works on the gradients it decided on,
+   so what was chained before it is not computed twice); `skipped` returns the parameters and the whole
    optimizer state as they were, except the wrapper's state, which is
    `decision.skipped`.
 """
@@ -176,7 +177,7 @@ def apply_gradients(
 
   def applied():
     updates, new_state = tx.update(
-      grads, opt_state, params, **extra_args, **{DECISION: decision.finite}
+      grads, opt_state, params, **extra_args, **{DECISION: decision}
     )
     # Half-precision parameters get float32 updates: `apply_updates` adds
     # them in float32 and casts back, mixing dtypes on purpose.

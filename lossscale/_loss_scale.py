@@ -17,8 +17,10 @@ argument, and which `jax.jit` sees like any other argument:
   optimizer, and returns zero updates (so transformations chained after it can
   be traced) and, in place of its state, a `Decision`: the finite flag and the
   state a skipped step would leave.
-- a bool array: apply this decision, taken by a previous call with `None` from
-  exactly these gradients. The wrapper runs the inner optimizer without a
+- a `Decision`, returned by a call with `None` on exactly these arguments:
+  apply it. The wrapper takes the flag and the gradients it decided on from
+  the `Decision` (so whatever computed them before it, a cross-replica mean
+  for one, is dead code in this call), runs the inner optimizer without a
   `lax.cond` of its own and advances its counters with that flag.
 
 `Decision` is a different pytree from `LossScaleState` on purpose: a wrapper
@@ -84,10 +86,13 @@ class Decision(NamedTuple):
     finite: bool, whether the step's gradients are finite (reduced over the
       wrapper's `axis_name`).
     skipped: the wrapper's `LossScaleState` after skipping this step.
+    incoming: the gradients the wrapper received (after the transformations
+      chained before it), still scaled.
   """
 
   finite: jax.Array
   skipped: LossScaleState
+  incoming: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +171,13 @@ def _compute_dtype(dtype: Any) -> Any:
   """The wider of float32 and `dtype` (by hand: strict promotion forbids
   `promote_types(float32, float16)`); complex dtypes are wide enough."""
   return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
+
+
+def _widen(tree: Any) -> Any:
+  """Casts the inexact leaves of `tree` to the wider of float32 and their dtype."""
+  return jax.tree.map(
+    lambda x: x.astype(_compute_dtype(x.dtype)) if is_inexact(x) else x, tree
+  )
 
 
 def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
@@ -284,15 +296,30 @@ def _wrap(
     given = extra_args.pop(DECISION, _ORDINARY)
     _check_state(fn, state)
     if not rule.enabled:
+      if isinstance(given, Decision):
+        updates = given.incoming
       step = lambda: inner.update(updates, state.inner_state, params, **extra_args)
       if given is None:
-        return _zeros(jax.eval_shape(step)[0]), Decision(jnp.ones([], jnp.bool_), state)
+        decision = Decision(jnp.ones([], jnp.bool_), state, updates)
+        return _zeros(jax.eval_shape(step)[0]), decision
       new_updates, inner_state = step()
       return new_updates, state._replace(inner_state=inner_state)
 
+    if isinstance(given, Decision):
+      updates = given.incoming
     _check_matches_params(fn, updates, params)
     unscaled = _unscale(updates, state.loss_scale) if rule.scaled else updates
-    finite = decide(unscaled) if given is _ORDINARY or given is None else given
+    finite = given.finite if isinstance(given, Decision) else decide(unscaled)
+
+    # Half-precision gradients are unscaled in float32; the inner optimizer
+    # then runs in float32 throughout (its state and the params widened too:
+    # some optax optimizers cannot mix dtypes), and its state is stored back
+    # in the dtypes `inner.init` chose.
+    widened = rule.scaled and any(
+      is_inexact(g) and _compute_dtype(g.dtype) != g.dtype
+      for g in jax.tree_util.tree_leaves(updates)
+    )
+    inner_params = _widen(params) if widened else params
 
     def apply():
       # A select, not a multiply: where both branches run (`jax.vmap` with a
@@ -301,8 +328,9 @@ def _wrap(
         lambda x: jnp.where(finite, x, jnp.zeros_like(x)) if is_inexact(x) else x,
         unscaled,
       )
+      inner_state = _widen(state.inner_state) if widened else state.inner_state
       new_updates, inner_state = inner.update(
-        safe, state.inner_state, params, **extra_args
+        safe, inner_state, inner_params, **extra_args
       )
       return new_updates, _like(inner_state, state.inner_state)
 
@@ -310,7 +338,7 @@ def _wrap(
       skipped = LossScaleState(
         **_next_counters(rule, state, finite), inner_state=state.inner_state
       )
-      return _zeros(jax.eval_shape(apply)[0]), Decision(finite, skipped)
+      return _zeros(jax.eval_shape(apply)[0]), Decision(finite, skipped, updates)
     if given is _ORDINARY:
       # `lax.cond`: a skipped step runs no optimizer, a finite one updates
       # the inner state in place (docs/performance.md has the measurements).
@@ -359,9 +387,11 @@ def dynamic_loss_scale(
   then on every one (or, with `reset_hysteresis_on_backoff`, on every
   `hysteresis`-th). The rule in full is in docs/how-it-works.md.
 
-  `inner` sees float32 gradients (or wider), and its state keeps the dtypes
-  `inner.init(params)` gave it: bfloat16 or float16 parameters keep
-  half-precision optimizer states, with no retrace. With `axis_name`
+  Half-precision gradients are unscaled in float32 and `inner` runs in
+  float32 (on widened copies of its state and the parameters); its state
+  keeps the dtypes `inner.init(params)` gave it (bfloat16 or float16
+  parameters keep half-precision optimizer states, with no retrace), and the
+  updates come out as `inner` computes them, in float32. With `axis_name`
   the finite flag is reduced over that mapped axis, so all replicas skip
   together; without it they still agree when the gradients were averaged
   first (`lossscale.cross_shard_mean`). See docs/how-it-works.md.

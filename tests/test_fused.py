@@ -567,3 +567,35 @@ def test_pmap_with_axis_name_every_replica_skips_together():
   chex.assert_trees_all_close(
     p, jax.tree.map(lambda x, g: x - 0.5 * g, params, good), rtol=1e-6
   )
+
+
+@pytest.mark.parametrize("axis_name", [None, "batch"])
+def test_cross_shard_mean_in_tx_is_reduced_once(axis_name):
+  # The decision is taken on the averaged gradients; the applied branch uses
+  # those, so the average is computed once, as with tx.update.
+  mesh = Mesh(np.array(jax.devices()[:8]), ("batch",))
+  params = {"w": jnp.ones((8, 4)), "b": jnp.ones((4,))}
+  tx = optax.chain(
+    ls.cross_shard_mean("batch"),
+    ls.dynamic_loss_scale(optax.sgd(0.1), axis_name=axis_name),
+  )
+
+  def step(fused, p, s, g):
+    if fused:
+      return ls.apply_gradients(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  def count(fused):
+    f = _compat.shard_map(
+      functools.partial(step, fused),
+      mesh=mesh,
+      in_specs=(P(), P(), P("batch")),
+      out_specs=(P(), P()),
+    )
+    grads = {"w": jnp.ones((64, 4)), "b": jnp.ones((32,))}
+    hlo = jax.jit(f).lower(params, tx.init(params), grads).compile().as_text()
+    return _all_reduces(hlo)
+
+  assert count(True) == count(False)
+  assert count(True)[0] == 1 + (axis_name is not None)
