@@ -25,7 +25,7 @@ DEFAULT_MAX_CONSECUTIVE_SKIPS = 100
 
 
 class LossScaleStalledError(FloatingPointError):
-  """Raised by `lossscale.check_not_stalled` when every recent step was skipped.
+  """Raised by [`lossscale.check_not_stalled`][] when every recent step was skipped.
 
   A subclass of `FloatingPointError`, so `except FloatingPointError` in a
   training loop catches it too.
@@ -54,7 +54,8 @@ def check_not_stalled(
   A loss-scaling wrapper never applies a non-finite update: when the
   gradients stay non-finite it skips every step, silently. Call this on the
   host after each step (it reads a few scalars) to turn such a stall into a
-  loud error that names the likely causes:
+  loud [`lossscale.LossScaleStalledError`][] that names the likely causes
+  ([Troubleshooting][every-step-is-skipped] has them in full):
 
   ```python
   params, opt_state = train_step(params, opt_state, batch)
@@ -65,9 +66,9 @@ def check_not_stalled(
   batched with `jax.vmap` (an ensemble), when any member has stalled.
 
   Args:
-    x: an optimizer state with a `LossScaleState` nested anywhere inside, a
-      Flax `TrainState` or an `nnx.Optimizer` (anything
-      `lossscale.get_loss_scale` accepts). Concrete values, not tracers.
+    x: an optimizer state with a [`lossscale.LossScaleState`][] nested
+      anywhere inside, a Flax `TrainState` or an `nnx.Optimizer` (anything
+      [`lossscale.get_loss_scale`][] accepts). Concrete values, not tracers.
     max_consecutive_skips: how many skipped steps in a row are tolerated, a
       positive int32. The default, 100, is far above the 24 skips that back
       the largest default scale (2**24) off to 1.0.
@@ -96,8 +97,8 @@ def check_not_stalled(
     >>> try:
     ...   ls.check_not_stalled(state, max_consecutive_skips=3)
     ... except ls.LossScaleStalledError as e:
-    ...   print(str(e)[:54])
-    The last 3 optimizer steps were all skipped because th
+    ...   print(str(e).split(" because")[0])
+    The last 3 optimizer steps were all skipped
   """
   fn = "check_not_stalled"
   # At most the int32 maximum, where the counter saturates.

@@ -21,12 +21,14 @@ def cross_shard_mean(
   `update` returns the mean (`jax.lax.pmean`) or the sum (`jax.lax.psum`) over
   the replicas of every floating or complex leaf, in the leaf's own dtype;
   integer, boolean and `float0` leaves pass through. Chain it *before* a
-  loss-scaling wrapper: every replica then feeds the same gradients to the
+  loss-scaling wrapper ([`lossscale.dynamic_loss_scale`][] and its
+  siblings): every replica then feeds the same gradients to the
   wrapper, and an inf or NaN on any replica reaches all of them through the
   all-reduce, so all replicas skip together with no further collective. Call
   `update` where the axis is bound (`jax.pmap(..., axis_name=...)` or
   `shard_map`); under SPMD `jax.jit` gradients are already global. Why the
-  mean is not divided first: docs/data-parallel.md.
+  mean is not divided first: [Data-parallel
+  training][averaging-first-no-extra-collective].
 
   Args:
     axis_name: the mapped axis to reduce over, such as `"batch"`, or a tuple
@@ -56,7 +58,8 @@ def cross_shard_mean(
     ...   return optax.apply_updates(params, updates)
     >>> grads = {"w": jnp.array([[2.0, -4.0]])}  # one replica's gradients
     >>> params = jax.tree.map(lambda p: p[None], params)
-    >>> jax.pmap(step, axis_name="batch", devices=jax.devices()[:1])(grads, params)["w"]
+    >>> p_step = jax.pmap(step, axis_name="batch", devices=jax.devices()[:1])
+    >>> p_step(grads, params)["w"]
     Array([[-2.,  4.]], dtype=float32)
     >>> ls.cross_shard_mean("batch", reduction="max")
     Traceback (most recent call last):

@@ -126,7 +126,7 @@ def apply_gradients(
   before it, its `axis_name`), taken once, and the step sits behind one
   `lax.cond`: a skipped step runs no optimizer, and a finite one writes no
   separate updates array. Call it inside `jax.jit`, donating `params` and
-  `opt_state` (docs/performance.md).
+  `opt_state` ([Performance: what to do][what-to-do]).
 
   Args:
     tx: a transformation holding exactly one loss-scaling wrapper, anywhere
@@ -139,7 +139,7 @@ def apply_gradients(
 
   Returns:
     `(new_params, new_opt_state)`. Whether the step was applied is the
-    wrapper's `LossScaleState.last_finite`.
+    wrapper's [`LossScaleState.last_finite`][lossscale.LossScaleState].
 
   Raises:
     TypeError: when `tx` is not an `optax.GradientTransformation`.

@@ -57,16 +57,17 @@ class LossScaleState(NamedTuple):
   Attributes:
     loss_scale: float32 scalar, the current loss scale, in
       `[min_scale, max_scale]`. Multiply the loss by it before differentiating
-      (`lossscale.scale_loss`).
+      ([`lossscale.scale_loss`][]).
     good_steps: int32, consecutive finite steps since the scale last changed
       or the last skipped step.
     hysteresis_left: int32, non-finite steps still tolerated before the scale
       backs off.
     skipped_steps: int32, total number of skipped steps.
     consecutive_skips: int32, skipped steps since the last applied one (see
-      `lossscale.check_not_stalled`).
+      [`lossscale.check_not_stalled`][]).
     last_finite: bool, whether the last step's gradients were finite, that is
-      whether its update was applied.
+      whether its update was applied (`True` before the first step;
+      [`lossscale.flax.TrainState`][] reads it).
     inner_state: the wrapped optimizer's state, untouched on skipped steps.
   """
 
@@ -128,7 +129,7 @@ def _init_counters(rule: _Rule) -> dict[str, jax.Array]:
 def _next_counters(
   rule: _Rule, state: LossScaleState, finite: jax.Array
 ) -> dict[str, jax.Array]:
-  """The scale-adjustment rule (stated in `dynamic_loss_scale`'s docstring)."""
+  """The scale-adjustment rule, written out once in docs/how-it-works.md."""
   zero = jnp.zeros([], jnp.int32)
   skipped = jnp.where(
     finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
@@ -150,7 +151,7 @@ def _next_counters(
   scale = state.loss_scale
   refill = jnp.asarray(rule.hysteresis, jnp.int32)
   grow = jnp.logical_and(finite, good >= rule.growth_interval)
-  # Saturates at 0: "h -= 1; if h <= 0" behaves the same and cannot wrap.
+  # Saturates at 0 instead of wrapping; the back-off test `<= 0` is unchanged.
   h_after_overflow = jnp.maximum(state.hysteresis_left - 1, zero)
   back_off = jnp.logical_and(jnp.logical_not(finite), h_after_overflow <= 0)
   if rule.reset_hysteresis_on_backoff:
@@ -375,17 +376,18 @@ def dynamic_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` with dynamic loss scaling and skip-on-overflow.
 
-  `update` takes gradients of the *scaled* loss (`lossscale.scale_loss`,
-  `lossscale.value_and_grad`), divides them by the scale in float32 and
+  `update` takes gradients of the *scaled* loss ([`lossscale.scale_loss`][],
+  [`lossscale.value_and_grad`][]), divides them by the scale in float32 and
   checks them. A finite step runs `inner` on the unscaled gradients; a
   non-finite step returns zero updates and leaves `inner`'s state bit for bit
   (transformations chained *after* the wrapper still run, on those zeros;
-  `lossscale.apply_gradients` skips them too). Then the scale moves: it is
+  [`lossscale.apply_gradients`][] skips them too). Then the scale moves: it is
   multiplied by `growth_factor` (up to `max_scale`) on exactly the
   `growth_interval`-th consecutive finite step, and by `backoff_factor` (down
   to `min_scale`) on the `hysteresis`-th non-finite step since it last grew,
   then on every one (or, with `reset_hysteresis_on_backoff`, on every
-  `hysteresis`-th). The rule in full is in docs/how-it-works.md.
+  `hysteresis`-th). The rule in full: [How dynamic loss scaling
+  works][the-rule].
 
   Half-precision gradients are unscaled in float32 and `inner` runs in
   float32 (on widened copies of its state and the parameters); its state
@@ -394,7 +396,8 @@ def dynamic_loss_scale(
   updates come out as `inner` computes them, in float32. With `axis_name`
   the finite flag is reduced over that mapped axis, so all replicas skip
   together; without it they still agree when the gradients were averaged
-  first (`lossscale.cross_shard_mean`). See docs/how-it-works.md.
+  first ([`lossscale.cross_shard_mean`][]; see [Data-parallel
+  training][averaging-first-no-extra-collective]).
 
   Args:
     inner: the optimizer to wrap, any `optax.GradientTransformation`; extra
@@ -413,7 +416,8 @@ def dynamic_loss_scale(
       same state structure and a loss scale of 1.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` with a `LossScaleState`.
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    [`lossscale.LossScaleState`][].
 
   Raises:
     ValueError: at construction, for an invalid setting (naming it).
@@ -488,9 +492,9 @@ def static_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` with a fixed loss scale and skip-on-overflow.
 
-  Like `dynamic_loss_scale` with a scale that never changes: non-finite
-  steps are still skipped (zero updates, `inner`'s state bit for bit,
-  `skipped_steps` counted).
+  Like [`lossscale.dynamic_loss_scale`][] with a scale that never changes:
+  non-finite steps are still skipped (zero updates, `inner`'s state bit for
+  bit, `skipped_steps` counted).
 
   Args:
     inner: the optimizer to wrap, any `optax.GradientTransformation`.
@@ -500,7 +504,8 @@ def static_loss_scale(
       same state structure and a loss scale of 1.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` with a `LossScaleState`.
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    [`lossscale.LossScaleState`][].
 
   Raises:
     ValueError: at construction, for an invalid setting (naming it).
@@ -536,15 +541,16 @@ def skip_nonfinite(
   For bfloat16 or float32 training, which needs no loss scaling: gradients
   reach `inner` as they are, and a non-finite step gives zero updates and
   leaves `inner`'s state bit for bit. Unlike `optax.apply_if_finite` it never
-  applies a non-finite update (`lossscale.check_not_stalled` fails loudly
-  when every step is skipped). The loss scale is 1.
+  applies a non-finite update ([`lossscale.check_not_stalled`][] fails
+  loudly when every step is skipped). The loss scale is 1.
 
   Args:
     inner: the optimizer to wrap, any `optax.GradientTransformation`.
     axis_name: axis name(s) over which the finite flag is reduced.
 
   Returns:
-    An `optax.GradientTransformationExtraArgs` with a `LossScaleState`.
+    An `optax.GradientTransformationExtraArgs` whose state is a
+    [`lossscale.LossScaleState`][].
 
   Raises:
     ValueError: at construction, for an invalid `axis_name`.

@@ -108,7 +108,7 @@ def with_compute_dtype(
 
 
 class Float16RangeReport(NamedTuple):
-  """What casting a pytree to float16 would lose (`float16_range_report`).
+  """What casting a pytree to float16 would lose ([`lossscale.float16_range_report`][]).
 
   Attributes:
     underflow: float32 fraction of all floating elements that are nonzero but
@@ -143,7 +143,8 @@ def float16_range_report(tree: Any) -> Float16RangeReport:
     tree: a pytree of arrays (integer leaves are ignored).
 
   Returns:
-    A `Float16RangeReport` with the overall fractions and one pair per leaf.
+    A [`lossscale.Float16RangeReport`][] with the overall fractions and one
+    pair per leaf.
 
   Examples:
     >>> import jax.numpy as jnp

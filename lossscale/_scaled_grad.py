@@ -47,9 +47,9 @@ def get_loss_scale(x: Any) -> jax.Array:
   """Returns the current loss scale as a float32 array.
 
   Args:
-    x: an optimizer state with a `LossScaleState` nested anywhere inside, a
-      `lossscale.flax.TrainState` (or any object with an `opt_state`), or an
-      `nnx.Optimizer`.
+    x: an optimizer state with a [`lossscale.LossScaleState`][] nested
+      anywhere inside, a [`lossscale.flax.TrainState`][] (or any object with
+      an `opt_state`), or an `nnx.Optimizer`.
 
   Returns:
     The float32 scale (a scalar; one per member under `jax.vmap`).
@@ -84,7 +84,8 @@ def scale_loss(loss: jax.Array, x: Any) -> jax.Array:
   Args:
     loss: the (unscaled) loss, any floating dtype.
     x: where to read the scale: an optimizer state, a TrainState, an
-      `nnx.Optimizer` (see `get_loss_scale`), or the scale itself.
+      `nnx.Optimizer` (see [`lossscale.get_loss_scale`][]), or the scale
+      itself.
 
   Returns:
     The scaled loss as float32.
@@ -167,8 +168,8 @@ def value_and_grad(
   differentiated; `argnums` counts `fun`'s own positional arguments, negative
   values from the end, as in `jax.value_and_grad`. It returns the *unscaled*
   loss (with aux when `has_aux`) and the gradients of the *scaled* loss
-  `scale_loss(loss, scale_source)`, which a loss-scaling wrapper's `update`
-  divides back.
+  [`scale_loss(loss, scale_source)`][lossscale.scale_loss], which a
+  loss-scaling wrapper's `update` divides back.
 
   A differentiated argument may be any pytree, such as an Equinox module: its
   floating and complex array leaves (JAX or NumPy) are differentiated, and
@@ -187,7 +188,7 @@ def value_and_grad(
   Returns:
     `grad_fn(scale_source, *args, **kwargs) -> (loss, grads)`, or
     `((loss, aux), grads)` with `has_aux`, where `scale_source` is anything
-    `lossscale.scale_loss` accepts.
+    [`lossscale.scale_loss`][] accepts.
 
   Raises:
     TypeError: `argnums` is not an int or a sequence of ints; or, when called,

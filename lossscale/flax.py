@@ -36,20 +36,19 @@ class TrainState(train_state.TrainState):
 
   Build it like Flax's (`TrainState.create(apply_fn=..., params=..., tx=...)`)
   with `tx` holding one loss-scaling wrapper. `apply_gradients(grads=...)`
-  takes gradients of the *scaled* loss and runs `lossscale.apply_gradients`:
+  takes gradients of the *scaled* loss and runs
+  [`lossscale.apply_gradients`][]:
   on a finite step the result is Flax's; on a skipped step only the
   optimizer state changes (the scale backs off, `skipped_steps` grows), and
   `step`, `params` and the fields passed as keyword arguments (such as
   `batch_stats`) keep their old values. `step` is an int32 that counts
   applied updates only, like TensorFlow's `global_step`; whether a step was
-  applied is the wrapper's `LossScaleState.last_finite`. Flax's float8
+  applied is the wrapper's
+  [`LossScaleState.last_finite`][lossscale.LossScaleState]. Flax's float8
   `OVERWRITE_WITH_GRADIENT` gradients go through Flax's own step. It works
-  under `jax.jit`, `jax.pmap` and `jax.vmap`.
-
-  Attributes:
-    loss_scale: the current loss scale (float32); a property, not a field,
-      so the state holds exactly one leaf named `loss_scale`.
-    skipped_steps: the number of skipped steps so far (int32).
+  under `jax.jit`, `jax.pmap` and `jax.vmap`. `loss_scale` and
+  `skipped_steps` are properties, not fields, so the state holds exactly one
+  leaf named `loss_scale`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax
@@ -71,7 +70,7 @@ class TrainState(train_state.TrainState):
 
     Args:
       grads: gradients with the structure of `params`, of the loss multiplied
-        by `self.loss_scale` (see `lossscale.value_and_grad`).
+        by `self.loss_scale` (see [`lossscale.value_and_grad`][]).
       **kwargs: other fields to replace, such as `batch_stats`; on a skipped
         step they keep their old values.
 
@@ -142,7 +141,7 @@ class TrainState(train_state.TrainState):
 
     Raises:
       ValueError: when `tx`'s state holds no (or more than one)
-        `lossscale.LossScaleState`.
+        [`lossscale.LossScaleState`][].
     """
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
     find_state(state.opt_state)
