@@ -8,8 +8,9 @@ The decision is passed in plain sight, through the wrapper's `update`
    wrapper's `Decision` in place of its state. No optimizer runs.
 2. `lax.cond(decision.finite, applied, skipped)`: `applied` is
    `tx.update(..., lossscale_finite=decision)` followed by
-   `optax.apply_updates` (the wrapper works on the gradients it decided on,
-   so what was chained before it is not computed twice); `skipped` returns the parameters and the whole
+   `optax.apply_updates`; the wrapper works on the gradients it decided on,
+   so what was chained before it (a cross-replica mean) is dead code there
+   and is computed once. `skipped` returns the parameters and the whole
    optimizer state as they were, except the wrapper's state, which is
    `decision.skipped`.
 """

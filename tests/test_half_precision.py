@@ -110,9 +110,13 @@ def _assert_close(actual, expected, dtype):
 
 def _as(tree, like):
   """`tree` with the dtypes of `like`'s leaves (or one dtype for all)."""
+  def cast(x, dtype):
+    x = jnp.asarray(x)
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
   if not isinstance(like, type):
-    return jax.tree.map(lambda x, y: jnp.asarray(x).astype(y.dtype), tree, like)
-  return jax.tree.map(lambda x: jnp.asarray(x).astype(like), tree)
+    return jax.tree.map(lambda x, y: cast(x, y.dtype), tree, like)
+  return jax.tree.map(lambda x: cast(x, like), tree)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -134,11 +138,11 @@ def test_update_keeps_dtypes_and_matches_bare_optimizer(name, dtype):
     init_dtypes = _dtypes(state.inner_state)
     updates, finite_state = update(_scaled(grads), state, params)
     skip_updates, skipped_state = update(bad, finite_state, params)
-    # The reference: the bare optimizer in float32, fed the true gradients,
-    # from the float32 copies of the same parameters.
+    # The reference: the bare optimizer fed the true gradients, in float32,
+    # from float32 copies of the same parameters and the same initial state.
     params32, grads32 = _as(params, jnp.float32), _as(grads, jnp.float32)
-    bare = jax.jit(inner.update)
-    bare_updates, bare_state = bare(grads32, inner.init(params32), params32)
+    state32 = _as(inner.init(params), jnp.float32)
+    bare_updates, bare_state = jax.jit(inner.update)(grads32, state32, params32)
 
   assert len(traces) == 1, "the second step retraced: the state's types drifted"
   assert bool(finite_state.last_finite) and not bool(skipped_state.last_finite)
