@@ -100,9 +100,9 @@ def _assert_bitwise(a, b):
     )
 
 
-def _assert_close(actual, expected, dtype):
-  """Within a unit of `dtype`'s precision of the update's magnitude."""
-  eps = float(jnp.finfo(dtype).eps)
+def _assert_close(actual, expected, dtype, ulps=1):
+  """Within `ulps` units of `dtype`'s precision of the update's magnitude."""
+  eps = ulps * float(jnp.finfo(dtype).eps)
   for x, y in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     np.testing.assert_allclose(x, y, rtol=eps, atol=eps * np.abs(y).max())
@@ -157,7 +157,8 @@ def test_update_keeps_dtypes_and_matches_bare_optimizer(name, dtype):
     assert not np.asarray(z, np.float64).any()
   # A finite step: the bare optimizer fed the true gradients; its state
   # stored in the dtypes `inner.init(params)` chose.
-  _assert_close(updates, bare_updates, jnp.float32)
+  # (float32 on both sides; XLA may fuse the two programs differently.)
+  _assert_close(updates, bare_updates, jnp.float32, ulps=64)
   _assert_close(finite_state.inner_state, _as(bare_state, state.inner_state), dtype)
 
 
