@@ -1,5 +1,8 @@
 """Tests for lossscale.flax.TrainState and the nnx.Optimizer integration."""
 
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -253,3 +256,24 @@ def test_nnx_optimizer_skips_and_exposes_the_scale():
   assert float(ls.get_loss_scale(optimizer)) == 8.0
   assert int(optimizer.opt_state.skipped_steps[...]) == 1
   assert float(ls.scale_loss(jnp.float32(2.0), optimizer)) == 16.0
+
+
+def test_import_without_flax_says_what_to_install():
+  code = (
+    "import sys\n"
+    "sys.modules['flax'] = None  # as if Flax were not installed\n"
+    "try:\n"
+    "  import lossscale.flax\n"
+    "except ImportError as e:\n"
+    "  print(e)\n"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, check=True
+  ).stdout
+  assert "pip install 'lossscale[flax]'" in out
+  # The core library does not need Flax.
+  code = "import sys\nsys.modules['flax'] = None\nimport lossscale\nprint('ok')"
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, check=True
+  ).stdout
+  assert out.strip() == "ok"
