@@ -53,7 +53,10 @@ def parse_config(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace
     if args.steps < 2:
       parser.error(f"--steps must be at least 2, got {args.steps}")
     cfg = dataclasses.replace(
-      cfg, steps=args.steps, eval_every=min(cfg.eval_every, args.steps)
+      cfg,
+      steps=args.steps,
+      eval_every=min(cfg.eval_every, args.steps),
+      warmup=min(cfg.warmup, args.steps // 2),  # the schedule needs steps > warmup
     )
   return cfg, args
 
