@@ -99,6 +99,8 @@ def sweep(cfg: Config, params, windows: np.ndarray) -> list[SweepPoint]:
   `cfg.sweep_max_tokens` tokens. Every
   point is one plain backward pass of the mean loss over the whole batch.
   """
+  if cfg.sweep_factor < 2:
+    raise ValueError(f"Config.sweep_factor must be at least 2, got {cfg.sweep_factor}")
   points = []
   n = cfg.batch
   while n * cfg.seq <= cfg.sweep_max_tokens and n <= len(windows):
