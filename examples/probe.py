@@ -14,7 +14,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from config import Config
 from model import CharLM, loss_fn
 
@@ -32,6 +31,11 @@ def grads(cfg: Config, dtype: Any, params, batch, scale):
   return jax.grad(lambda p: loss_fn(apply_fn, p, batch) * scale)(params)
 
 
+def _norm(tree) -> jax.Array:
+  # optax.tree.norm, which the oldest supported optax (0.2.4) does not have.
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
 @jax.jit
 def _compare(own, ref, scale):
   ref_leaves, own_leaves = jax.tree.leaves(ref), jax.tree.leaves(own)
@@ -40,9 +44,8 @@ def _compare(own, ref, scale):
     jnp.sum(jnp.logical_and(r != 0, o == 0))
     for r, o in zip(ref_leaves, own_leaves, strict=True)
   )
-  err = optax.tree.norm(
-    jax.tree.map(lambda o, r: o.astype(jnp.float32) / scale - r, own, ref)
-  ) / optax.tree.norm(ref)
+  diff = jax.tree.map(lambda o, r: o.astype(jnp.float32) / scale - r, own, ref)
+  err = _norm(diff) / _norm(ref)
   report = ls.float16_range_report(jax.tree.map(lambda g: g * scale, ref))
   return zeroed / jnp.maximum(nonzero, 1), err, report
 
