@@ -1,14 +1,20 @@
-"""Runs `python examples/demo.py --quick` and checks what it prints and writes."""
+"""The examples: `examples/demo.py --quick` end to end, and the quickstart."""
 
 import json
 import math
 import os
 import pathlib
+import re
+import runpy
 import subprocess
 import sys
 
+import jax
+import numpy as np
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "demo.py"
+QUICKSTART = ROOT / "examples" / "quickstart.py"
 MODES = ["float32", "float16", "float16+scaling", "bfloat16"]
 
 
@@ -31,7 +37,7 @@ def _run(*args):
   )
 
 
-def test_quick_demo_prints_table_and_writes_figure_and_json(tmp_path):
+def test_quick_demo_prints_tables_and_writes_figure_and_json(tmp_path):
   proc = _run("--quick", "--out", str(tmp_path))
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = proc.stdout
@@ -41,6 +47,7 @@ def test_quick_demo_prints_table_and_writes_figure_and_json(tmp_path):
     assert f"| {mode} |" in out
     assert mode in proc.stderr  # its progress bar
   assert "Validation loss vs float32: float16+scaling" in out
+  assert "| tokens per backward pass | float16 grad error, no scaling" in out
   png = (tmp_path / "demo.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
   assert (tmp_path / "results.md").read_text().startswith("| mode |")
@@ -48,7 +55,8 @@ def test_quick_demo_prints_table_and_writes_figure_and_json(tmp_path):
   saved = json.loads((tmp_path / "results.json").read_text())
   results = {r["mode"]: r for r in saved["results"]}
   assert list(results) == MODES
-  steps = saved["config"]["steps"]
+  cfg = saved["config"]
+  steps = cfg["steps"]
   start = math.log(128)  # an untrained model's loss: ln(vocabulary size)
   for r in results.values():
     assert len(r["losses"]) == steps
@@ -68,9 +76,57 @@ def test_quick_demo_prints_table_and_writes_figure_and_json(tmp_path):
   # float32's gradients are the reference: nothing zeroed, no error.
   assert results["float32"]["grad_zeroed_fraction"] == 0.0
   assert results["float32"]["grad_relative_error"] == 0.0
+  # float16 computes: its gradients differ from float32's, but not wildly.
+  assert 0.0 < results["float16"]["grad_relative_error"] < 0.1
+
+  # The sweep: batch * seq tokens, times sweep_factor, up to sweep_max_tokens.
+  sweep = saved["gradient_error_vs_tokens"]
+  assert sweep["loss_scale"] == cfg["sweep_scale"]
+  tokens = [p["tokens"] for p in sweep["points"]]
+  first = cfg["batch"] * cfg["seq"]
+  assert tokens[0] == first and len(tokens) >= 2
+  assert tokens == [first * cfg["sweep_factor"] ** i for i in range(len(tokens))]
+  assert tokens[-1] <= cfg["sweep_max_tokens"] < tokens[-1] * cfg["sweep_factor"]
+  for p in sweep["points"]:
+    assert p["tokens"] == p["sequences"] * cfg["seq"]
+    for key in ("error_unscaled", "error_scaled"):
+      assert 0.0 < p[key] < 0.1, (key, p)
+    for key in ("zeroed_unscaled", "zeroed_scaled"):
+      assert 0.0 <= p[key] <= 1.0, (key, p)
+  for p in sweep["points"]:  # every point is a row of the printed table
+    assert f"| {p['tokens']:,} | {p['error_unscaled']:.1e} |" in out
 
 
 def test_demo_rejects_too_few_steps(tmp_path):
   proc = _run("--quick", "--steps", "1", "--out", str(tmp_path))
   assert proc.returncode == 2
   assert "--steps must be at least 2, got 1" in proc.stderr
+
+
+def _quickstart_body():
+  """examples/quickstart.py without its module docstring."""
+  source = QUICKSTART.read_text()
+  docstring = re.match(r'"""(.*?)"""\n\n', source, re.S)
+  assert docstring, "quickstart.py starts with a module docstring"
+  return source[docstring.end() :]
+
+
+def test_readme_quickstart_is_examples_quickstart():
+  readme = (ROOT / "README.md").read_text()
+  section = readme.split("## Quickstart\n", 1)[1].split("\n## ", 1)[0]
+  blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+  assert blocks == [_quickstart_body()]
+
+
+def test_quickstart_runs_and_learns(capsys):
+  with jax.numpy_dtype_promotion("standard"):  # what users run by default
+    ns = runpy.run_path(str(QUICKSTART), run_name="__main__")
+  # The independent reference: the least-squares solution of the same data.
+  x, y = np.asarray(ns["x"]), np.asarray(ns["y"])
+  w_ref = np.linalg.lstsq(x, y, rcond=None)[0]
+  np.testing.assert_allclose(ns["params"]["w"], w_ref, atol=2e-3)
+  assert float(ns["loss"]) < 1e-4
+  opt_state = ns["opt_state"]
+  assert int(opt_state.skipped_steps) < 300 // 10  # a skipped step is rare
+  out = capsys.readouterr().out
+  assert f"skipped steps {int(opt_state.skipped_steps)}" in out
