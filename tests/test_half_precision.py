@@ -110,6 +110,7 @@ def _assert_close(actual, expected, dtype, ulps=1):
 
 def _as(tree, like):
   """`tree` with the dtypes of `like`'s leaves (or one dtype for all)."""
+
   def cast(x, dtype):
     x = jnp.asarray(x)
     return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
