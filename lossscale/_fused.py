@@ -23,7 +23,7 @@ import jax
 import optax
 
 from lossscale import _axes
-from lossscale._loss_scale import DECISION, Decision, LossScaleState
+from lossscale._loss_scale import DECISION, Decision, LossScaleState, _like
 
 _is_state = lambda x: isinstance(x, LossScaleState)
 _is_decision = lambda x: isinstance(x, Decision)
@@ -182,6 +182,9 @@ def apply_gradients(
     )
     # Half-precision parameters get float32 updates: `apply_updates` adds
     # them in float32 and casts back, mixing dtypes on purpose.
+    # Transformations chained after the wrapper may change their state's
+    # dtype (optax.trace on bfloat16 params): both branches keep `opt_state`'s.
+    new_state = _like(new_state, opt_state)
     with jax.numpy_dtype_promotion("standard"):
       return optax.apply_updates(params, updates), new_state
 

@@ -218,3 +218,23 @@ def test_flax_train_state_with_half_precision_params(dtype):
   assert _dtypes(new.opt_state) == _dtypes(state.opt_state)
   _assert_bitwise(kept.params, new.params)
   assert float(kept.loss_scale) == SCALE / 2
+
+
+def test_apply_gradients_with_a_stateful_transform_after_the_wrapper():
+  # optax.trace turns its bfloat16 state float32 when fed float32 updates; the
+  # fused step keeps every state's dtype, so its two branches agree.
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  tx = optax.chain(
+    ls.dynamic_loss_scale(optax.scale_by_adam()), optax.trace(0.9), optax.scale(-0.1)
+  )
+  step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+  with jax.numpy_dtype_promotion("standard"):
+    state = tx.init(params)
+    new_params, new_state = step({"w": jnp.full(3, 2.0, jnp.bfloat16)}, state, params)
+    kept_params, kept_state = step(
+      {"w": jnp.full(3, jnp.inf, jnp.bfloat16)}, new_state, new_params
+    )
+  assert _dtypes(new_state) == _dtypes(state)
+  assert bool(new_state[0].last_finite) and not bool(kept_state[0].last_finite)
+  _assert_bitwise(kept_params, new_params)
+  _assert_bitwise(kept_state[1:], new_state[1:])
