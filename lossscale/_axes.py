@@ -18,9 +18,15 @@ def validate_axis_name(fn: str, axis_name: Any) -> AxisName | None:
   if axis_name is None:
     return None
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if not names or any(
-    n is None or isinstance(n, (list, dict, set, bool)) for n in names
-  ):
+
+  def bad(n: Any) -> bool:
+    return (
+      n is None or n == ""
+      if isinstance(n, str) or n is None
+      else (isinstance(n, (list, dict, set, bool)))
+    )
+
+  if not names or any(bad(n) for n in names):
     raise ValueError(
       f"`{fn}(axis_name=...)` must be an axis name (such as 'batch') or a"
       f" non-empty tuple of names, got {axis_name!r}."
@@ -33,6 +39,11 @@ def validate_axis_name(fn: str, axis_name: Any) -> AxisName | None:
         f"`{fn}(axis_name=...)` must be hashable (a string such as 'batch', or"
         f" a tuple of strings), got {axis_name!r}."
       ) from None
+  if len(set(names)) != len(names):
+    raise ValueError(
+      f"`{fn}(axis_name=...)` names an axis twice, got {axis_name!r}: a"
+      " reduction over the same axis twice is not defined."
+    )
   return axis_name
 
 

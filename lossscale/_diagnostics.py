@@ -106,7 +106,7 @@ def check_not_stalled(
     fn, "max_consecutive_skips", max_consecutive_skips
   )
   if min_scale is not None:
-    min_scale = _validation.positive_finite(fn, "min_scale", min_scale)
+    min_scale = _validation.float32_scale(fn, "min_scale", min_scale)
   state = find_state(x)
   consecutive = _concrete(fn, "state", state.consecutive_skips)
   worst = int(consecutive.max(initial=0))

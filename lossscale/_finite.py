@@ -19,10 +19,11 @@ def is_inexact(x: Any) -> bool:
 def all_finite(tree: Any) -> jax.Array:
   """Returns a scalar bool array: whether every element of `tree` is finite.
 
-  Floating and complex leaves are checked; integer, boolean and `float0`
-  leaves are always finite and are ignored. An empty tree (or one with no
-  floating leaves) is finite. It creates no NaN of its own: under
-  `jax.debug_nans`, gradients that hold an inf do not trip it.
+  Floating and complex leaves (arrays and Python numbers) are checked;
+  integer, boolean and `float0` leaves are always finite and are ignored.
+  An empty tree (or one with no floating leaves) is finite. It creates no
+  NaN of its own: under `jax.debug_nans`, gradients that hold an inf do not
+  trip it.
 
   Args:
     tree: a pytree of arrays.
@@ -40,7 +41,11 @@ def all_finite(tree: Any) -> jax.Array:
     >>> ls.all_finite({})
     Array(True, dtype=bool)
   """
-  leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_inexact(x)]
+  leaves = [
+    jnp.asarray(x) if isinstance(x, (float, complex)) else x
+    for x in jax.tree_util.tree_leaves(tree)
+  ]
+  leaves = [x for x in leaves if is_inexact(x)]
   if not leaves:
     return jnp.array(True)
   if jax.config.jax_debug_nans:

@@ -267,6 +267,10 @@ def _check_matches_params(fn: str, grads: Any, params: Any) -> None:
       )
 
 
+def _is_state(x: Any) -> bool:
+  return isinstance(x, LossScaleState)
+
+
 def _zeros(shapes: Any) -> Any:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
@@ -282,7 +286,17 @@ def _wrap(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    return LossScaleState(**_init_counters(rule), inner_state=inner.init(params))
+    inner_state = inner.init(params)
+    if any(
+      isinstance(x, LossScaleState)
+      for x in jax.tree.leaves(inner_state, is_leaf=_is_state)
+    ):
+      raise ValueError(
+        f"`{fn}(inner=...)` already holds a loss-scaling wrapper: the"
+        " gradients would be unscaled twice and `scale_loss` could not tell"
+        " which scale to use. Wrap the optimizer once."
+      )
+    return LossScaleState(**_init_counters(rule), inner_state=inner_state)
 
   def decide(unscaled):
     finite = all_finite(unscaled)

@@ -235,9 +235,15 @@ def value_and_grad(
         )
       out = fun(*full, **kwargs)
       if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        if hasattr(out, "shape") and hasattr(out, "dtype"):  # maybe a tracer
+          got = f"a {out.dtype}{list(out.shape)} array"
+        elif isinstance(out, (tuple, list)):
+          got = f"a {type(out).__name__} of {len(out)}"
+        else:
+          got = type(out).__name__
         raise TypeError(
           "`lossscale.value_and_grad(has_aux=True)` needs `fun` to return a"
-          f" pair (loss, aux), got {type(out).__name__} instead."
+          f" pair (loss, aux), got {got} instead."
         )
       loss, aux = out if has_aux else (out, None)
       dtype = jnp.asarray(loss).dtype

@@ -102,7 +102,19 @@ class TrainState(train_state.TrainState):
           f" structure of the current `{name}` (a skipped step keeps the"
           f" old value), got {new_def} instead of {old_def}."
         )
-      return jax.tree.map(lambda v, o: jnp.where(applied, v, o), value, old)
+
+      def select(path: Any, v: Any, o: Any) -> Any:
+        v, o = jnp.asarray(v), jnp.asarray(o)
+        if v.shape != o.shape or v.dtype != o.dtype:
+          raise ValueError(
+            f"`TrainState.apply_gradients({name}=...)` must keep the shape and"
+            f" dtype of every leaf of the current `{name}` (a skipped step"
+            f" keeps the old value): at {jax.tree_util.keystr(path)} got"
+            f" {v.dtype}{list(v.shape)} instead of {o.dtype}{list(o.shape)}."
+          )
+        return jax.lax.select(jnp.broadcast_to(applied, v.shape), v, o)
+
+      return jax.tree_util.tree_map_with_path(select, value, old)
 
     fields = {f.name: f for f in dataclasses.fields(self)}
     kept = {}

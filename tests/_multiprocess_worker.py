@@ -1,4 +1,4 @@
-"""One process of the two-process test in test_distributed.py (not a test module).
+"""One process of the two-process test in test_multiprocess.py (not a test module).
 
 Run as `python _multiprocess_worker.py COORDINATOR PROCESS_ID OUT_JSON`: joins a
 2-process JAX job on loopback (2 CPU devices per process, gloo collectives),

@@ -10,6 +10,7 @@ from flax.training import train_state
 from optax.tree_utils import tree_get
 
 import lossscale as ls
+from _helpers import assert_trees_equal, standard_promotion
 
 _N_STEPS = 30
 _RESUME_AT = 16
@@ -18,28 +19,11 @@ _RESUME_AT = 16
 _BAD_STEPS = (3, 7, 8, 15, 22, 23, 24)
 
 
-def _standard():
-  # optax's adamw does `int32 ** float` and needs standard promotion.
-  return jax.numpy_dtype_promotion("standard")
-
-
-def _assert_trees_equal(a, b):
-  """Same structure, node types, dtypes, weak types and bits."""
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for (path, x), y in zip(
-    jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True
-  ):
-    where = jax.tree_util.keystr(path)
-    assert x.dtype == y.dtype, where
-    assert getattr(x, "weak_type", False) == getattr(y, "weak_type", False), where
-    assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), where
-
-
 def _assert_train_states_equal(a, b):
   # Each TrainState.create holds a new `tx` closure (a static field), and
   # plain Flax starts `step` as a weakly typed 0: compare the rest exactly.
   assert jax.tree.structure(a.opt_state) == jax.tree.structure(b.opt_state)
-  _assert_trees_equal((a.params, a.opt_state), (b.params, b.opt_state))
+  assert_trees_equal((a.params, a.opt_state), (b.params, b.opt_state), weak_type=True)
   assert int(a.step) == int(b.step)
 
 
@@ -96,14 +80,14 @@ def test_round_trip_keeps_types_and_does_not_retrace(tmp_path):
   tx = _make_tx()
   traces = []
   step = _make_step(tx, traces)
-  with _standard():
+  with standard_promotion():
     tree, _ = _run(step, _init(tx), x, y, range(_RESUME_AT))
     assert len(traces) == 1
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save(tmp_path / "ckpt", tree)
     with ocp.StandardCheckpointer() as checkpointer:
       restored = checkpointer.restore(tmp_path / "ckpt", jax.eval_shape(lambda: tree))
-    _assert_trees_equal(restored, tree)
+    assert_trees_equal(restored, tree, weak_type=True)
     assert isinstance(restored["opt_state"], ls.LossScaleState)
     assert isinstance(restored["opt_state"].inner_state[0], optax.ScaleByAdamState)
     # Identical avals (no weak types, same dtypes): no new trace of the step.
@@ -116,7 +100,7 @@ def test_round_trip_keeps_types_and_does_not_retrace(tmp_path):
 
 def test_resume_mid_run_is_bitwise_identical(tmp_path):
   x, y = _data()
-  with _standard():
+  with standard_promotion():
     tx = _make_tx()
     step = _make_step(tx)
     full, full_scales = _run(step, _init(tx), x, y, range(_N_STEPS))
@@ -143,7 +127,7 @@ def test_resume_mid_run_is_bitwise_identical(tmp_path):
       )
     resumed, rest_scales = _run(step, restored, x, y, range(_RESUME_AT, _N_STEPS))
 
-  _assert_trees_equal(resumed, full)
+  assert_trees_equal(resumed, full, weak_type=True)
   assert first_scales + rest_scales == full_scales
   assert int(resumed["opt_state"].skipped_steps) == len(_BAD_STEPS)
   # The schedule inside adamw counted applied steps only.
@@ -170,7 +154,7 @@ def test_flax_train_state_with_checkpoint_manager(tmp_path):
     _, grads = ls.value_and_grad(loss_fn)(state, state.params)
     return state.apply_gradients(grads=grads)
 
-  with _standard():
+  with standard_promotion():
     full = create()
     for t in range(_N_STEPS):
       full = flax_step(full, x[t], y[t])

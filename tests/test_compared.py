@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import lossscale as ls
+from _helpers import standard_promotion
 
 INF = float("inf")
 N = 3  # growth interval used throughout
@@ -22,7 +23,7 @@ N = 3  # growth interval used throughout
 @pytest.fixture(autouse=True)
 def _standard_promotion():
   # The peers (jmp, flax, optax) are not written for strict promotion.
-  with jax.numpy_dtype_promotion("standard"):
+  with standard_promotion():
     yield
 
 

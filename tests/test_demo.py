@@ -9,8 +9,9 @@ import runpy
 import subprocess
 import sys
 
-import jax
 import numpy as np
+
+from _helpers import standard_promotion
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "demo.py"
@@ -119,7 +120,7 @@ def test_readme_quickstart_is_examples_quickstart():
 
 
 def test_quickstart_runs_and_learns(capsys):
-  with jax.numpy_dtype_promotion("standard"):  # what users run by default
+  with standard_promotion():  # what users run by default
     ns = runpy.run_path(str(QUICKSTART), run_name="__main__")
   # The independent reference: the least-squares solution of the same data.
   x, y = np.asarray(ns["x"]), np.asarray(ns["y"])

@@ -195,8 +195,9 @@ def test_bad_threshold(bad):
     ls.check_not_stalled(state, max_consecutive_skips=bad)
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, INF, NAN, "1"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, INF, NAN, "1", 1e-40, 1e39])
 def test_bad_min_scale(bad):
+  # The wrappers take normal float32 scales only: so does the check.
   state = ls.skip_nonfinite(optax.sgd(0.1)).init(_PARAMS)
   with pytest.raises(ValueError, match=r"check_not_stalled\(min_scale"):
     ls.check_not_stalled(state, min_scale=bad)

@@ -28,6 +28,8 @@ from sybil.parsers.markdown import (  # noqa: E402
   SkipParser,
 )
 
+from _helpers import standard_promotion  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 # Fence languages that are not run. `py` is refused so that nothing escapes
@@ -51,7 +53,7 @@ def run_page(path):
   document = _SYBIL.parse(path)
   document.namespace["__name__"] = "__main__"
   run, skipped = 0, 0
-  with jax.numpy_dtype_promotion("standard"):  # what users run by default
+  with standard_promotion():  # what users run by default
     for example in document:
       try:
         example.evaluate()

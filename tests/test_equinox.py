@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import lossscale as ls
+from _helpers import assert_trees_equal, standard_promotion
 
 eqx = pytest.importorskip("equinox")
 
@@ -34,14 +35,6 @@ def _params(model):
   return eqx.filter(model, eqx.is_inexact_array)
 
 
-def _assert_trees_equal(a, b):
-  """Same structure, and every leaf the same bits and dtype."""
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    assert u.dtype == v.dtype
-    np.testing.assert_array_equal(u, v)
-
-
 def _poison(grads):
   """`grads` with an inf in its first leaf only."""
   leaves, treedef = jax.tree.flatten(grads)
@@ -57,7 +50,7 @@ def test_gradients_equal_filter_value_and_grad_of_the_scaled_loss():
   assert loss.dtype == jnp.float32
   np.testing.assert_array_equal(loss * np.float32(SCALE), ref_scaled)
   # Same tree as the model, None at the activation functions.
-  _assert_trees_equal(grads, ref)
+  assert_trees_equal(grads, ref)
   assert jax.tree.structure(grads) == jax.tree.structure(_params(model))
   assert grads.activation is None
 
@@ -90,7 +83,7 @@ def test_non_array_and_integer_leaves_get_none_as_in_equinox():
   )
   _, ref = eqx.filter_value_and_grad(scaled)(m, x)
   assert aux == 1
-  _assert_trees_equal(grads, ref)
+  assert_trees_equal(grads, ref)
   assert grads.count is None and grads.act is None and grads.gain is None
   assert grads.b16.dtype == jnp.float16
   np.testing.assert_array_equal(loss, loss_fn(m, x))
@@ -121,7 +114,7 @@ def test_filter_jit_training_matches_plain_adam_and_decreases_the_loss():
     return eqx.apply_updates(model, updates), opt_state, loss
 
   model, (x, y) = _mlp(), _data()
-  with jax.numpy_dtype_promotion("standard"):  # optax's adam is not strict-clean
+  with standard_promotion():  # optax's adam is not strict-clean
     _, opt_state, losses = _train(step, model, tx.init(_params(model)), x, y, 30)
     _, _, ref_losses = _train(ref_step, model, ref_tx.init(_params(model)), x, y, 30)
   assert losses[-1] < 0.5 * losses[0]
@@ -141,14 +134,14 @@ def test_skipped_step_leaves_the_model_bit_for_bit_and_backs_off():
 
   model, (x, y) = _mlp(), _data()
   opt_state = tx.init(_params(model))
-  with jax.numpy_dtype_promotion("standard"):
+  with standard_promotion():
     _, grads = ls.value_and_grad(_loss)(opt_state, model, x, y)
     model, opt_state = apply(model, opt_state, grads)  # one finite step
     _, grads = ls.value_and_grad(_loss)(opt_state, model, x, y)
     new_model, new_state = apply(model, opt_state, _poison(grads))
-  _assert_trees_equal(_params(new_model), _params(model))
+  assert_trees_equal(_params(new_model), _params(model))
   assert new_model.activation is model.activation
-  _assert_trees_equal(new_state.inner_state, opt_state.inner_state)
+  assert_trees_equal(new_state.inner_state, opt_state.inner_state)
   assert float(ls.get_loss_scale(new_state)) == SCALE / 2
   assert int(new_state.skipped_steps) == 1
 
@@ -166,13 +159,13 @@ def test_fused_apply_gradients_trains_and_skips():
   model, (x, y) = _mlp(), _data()
   opt_state = tx.init(_params(model))
   losses = []
-  with jax.numpy_dtype_promotion("standard"):
+  with standard_promotion():
     for _ in range(30):
       model, opt_state, loss = step(model, opt_state, x, y, False)
       losses.append(float(loss))
     new_model, new_state, _ = step(model, opt_state, x, y, True)
   assert losses[-1] < 0.5 * losses[0]
-  _assert_trees_equal(_params(new_model), _params(model))
+  assert_trees_equal(_params(new_model), _params(model))
   assert float(ls.get_loss_scale(new_state)) == SCALE / 2
   assert int(new_state.skipped_steps) == 1
 

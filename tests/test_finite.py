@@ -56,3 +56,11 @@ def test_debug_nans_does_not_flag_a_plain_overflow():
   # Off again: the fast check, same answers.
   assert not bool(jax.jit(ls.all_finite)(grads))
   assert bool(jax.jit(ls.all_finite)({"w": jnp.ones(2)}))
+
+
+def test_all_finite_checks_python_and_numpy_scalars():
+  # A tree may hold plain numbers (a loss, a metric): they are read too.
+  assert bool(ls.all_finite({"loss": 1.5, "n": 3, "z": 1j, "np": np.float16(2)}))
+  for bad in (float("nan"), float("inf"), complex(0, float("inf")), np.float16(np.inf)):
+    assert not bool(ls.all_finite({"w": jnp.ones(2), "loss": bad}))
+    assert not bool(jax.jit(ls.all_finite)({"w": jnp.ones(2), "loss": bad}))

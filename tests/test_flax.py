@@ -15,6 +15,7 @@ from optax.tree_utils import tree_get, tree_get_all_with_path
 
 import _compat
 import lossscale as ls
+from _helpers import assert_trees_equal, standard_promotion
 from lossscale.flax import TrainState
 
 
@@ -71,15 +72,11 @@ def _init(cls, tx):
   )
 
 
-def _assert_trees_equal(a, b):
-  jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)
-
-
 def test_linen_skipped_step_leaves_state_unchanged_and_training_works():
   xs, ys = _data(30)
   bad_step = 10
   xs = xs.at[bad_step, 0, 0].set(jnp.inf)  # inf in the forward pass
-  with jax.numpy_dtype_promotion("standard"):  # BatchNorm, optax.adam
+  with standard_promotion():  # BatchNorm, optax.adam
     state = _init(
       BNState, ls.dynamic_loss_scale(optax.adam(5e-2), initial_scale=2.0**10)
     )
@@ -95,8 +92,8 @@ def test_linen_skipped_step_leaves_state_unchanged_and_training_works():
       if i == bad_step:
         assert not np.isfinite(float(loss))
         assert int(state.step) == int(before.step)
-        _assert_trees_equal(state.params, before.params)
-        _assert_trees_equal(state.batch_stats, before.batch_stats)
+        assert_trees_equal(state.params, before.params)
+        assert_trees_equal(state.batch_stats, before.batch_stats)
         assert float(state.loss_scale) == 2.0**9
         assert int(state.skipped_steps) == 1
         continue
@@ -115,7 +112,7 @@ def test_linen_skipped_step_leaves_state_unchanged_and_training_works():
 
 
 def test_train_state_is_a_flax_train_state_and_reports_its_scale():
-  with jax.numpy_dtype_promotion("standard"):  # BatchNorm in float16
+  with standard_promotion():  # BatchNorm in float16
     state = _init(BNState, ls.static_loss_scale(optax.sgd(0.1), 64.0))
   assert isinstance(state, train_state.TrainState)
   assert int(state.step) == 0 and state.step.dtype == jnp.int32
@@ -175,6 +172,50 @@ def test_kwargs_that_change_structure_fail_clearly():
   )
   with pytest.raises(ValueError, match=r"apply_gradients\(extra=...\)"):
     state.apply_gradients(grads={"w": jnp.ones(2)}, extra={"b": jnp.zeros(1)})
+
+
+@pytest.mark.parametrize(
+  "new, match",
+  [
+    (jnp.zeros(3), r"at \['a'\] got float32\[3\] instead of float32\[1\]"),
+    (jnp.zeros(1, jnp.float16), r"got float16\[1\] instead of float32\[1\]"),
+    (jnp.zeros((), jnp.float32), r"got float32\[\] instead of float32\[1\]"),
+  ],
+)
+def test_kwargs_that_change_shape_or_dtype_fail_clearly(new, match):
+  # A skipped step must keep the old value: a select cannot, and must not
+  # silently broadcast or promote the new one to the old's shape or dtype.
+  class S(TrainState):
+    extra: dict = struct.field(default_factory=dict)
+
+  state = S.create(
+    apply_fn=None,
+    params={"w": jnp.ones(2)},
+    tx=ls.skip_nonfinite(optax.sgd(0.1)),
+    extra={"a": jnp.zeros(1)},
+  )
+  for apply in (S.apply_gradients, jax.jit(S.apply_gradients)):
+    with pytest.raises(ValueError, match=r"apply_gradients\(extra=...\).*" + match):
+      apply(state, grads={"w": jnp.ones(2)}, extra={"a": new})
+
+
+def test_kwargs_take_the_new_value_bitwise_on_an_applied_step():
+  class S(TrainState):
+    extra: dict = struct.field(default_factory=dict)
+
+  old = {"h": jnp.array([1.0, -2.0], jnp.bfloat16), "n": jnp.int32(3)}
+  new = {"h": jnp.array([-0.0, 65504.0], jnp.bfloat16), "n": jnp.int32(-7)}
+  state = S.create(
+    apply_fn=None,
+    params={"w": jnp.ones(2)},
+    tx=ls.dynamic_loss_scale(optax.sgd(0.1)),
+    extra=old,
+  )
+  step = jax.jit(lambda s, g: s.apply_gradients(grads=g, extra=new))
+  applied = step(state, {"w": jnp.ones(2)})
+  assert_trees_equal(applied.extra, new)
+  skipped = step(state, {"w": jnp.array([1.0, jnp.nan])})
+  assert_trees_equal(skipped.extra, old)
 
 
 def test_train_state_under_pmap():

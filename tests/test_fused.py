@@ -14,13 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 import _compat
 import lossscale as ls
+from _helpers import assert_trees_equal, collectives, make_mesh, standard_promotion
 
 INF, NAN = float("inf"), float("nan")
-
-
-def _standard():
-  # optax's adam computes `int32 count ** float`: not strict-promotion clean.
-  return jax.numpy_dtype_promotion("standard")
 
 
 def _params():
@@ -60,7 +56,7 @@ def _run_both(tx, grads_seq, params, **extra):
     return optax.apply_updates(p, u), s
 
   out = []
-  with _standard():
+  with standard_promotion():
     fs = cs = tx.init(params)
     fp = cp = params
     for g in grads_seq:
@@ -68,13 +64,6 @@ def _run_both(tx, grads_seq, params, **extra):
       cp, cs = composed(g, cs, cp)
       out.append(((fp, fs), (cp, cs)))
   return out
-
-
-def _assert_trees_equal(a, b):
-  chex.assert_trees_all_equal_structs(a, b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _is_wrapper_state(x):
@@ -86,7 +75,7 @@ def _whole_step_reference(tx, grads_seq, params):
   non-finite step everything but the wrapper's state is put back."""
   update = jax.jit(tx.update)
   out = []
-  with _standard():
+  with standard_promotion():
     state = tx.init(params)
     for g in grads_seq:
       updates, new_state = update(g, state, params)
@@ -118,19 +107,17 @@ def test_same_trajectory_as_update_with_whole_step_skips_with_chains():
     jax.tree.map(lambda x, i=i: 8.0 * x, _grads(i, b)) for i, b in enumerate(_BAD)
   ]
   fused = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
-  with _standard():
+  with standard_promotion():
     fp, fs = _params(), tx.init(_params())
     for g, (rp, rs) in zip(
       grads, _whole_step_reference(tx, grads, _params()), strict=True
     ):
       fp, fs = fused(g, fs, fp)
       # The decision and the scale state machine: exactly the same.
-      _assert_trees_equal(
-        fs[2]._replace(inner_state=()), rs[2]._replace(inner_state=())
-      )
+      assert_trees_equal(fs[2]._replace(inner_state=()), rs[2]._replace(inner_state=()))
       # The step-counting schedules before and after the wrapper advance on
       # applied steps only.
-      _assert_trees_equal((fs[1], fs[3]), (rs[1], rs[3]))
+      assert_trees_equal((fs[1], fs[3]), (rs[1], rs[3]))
       # Floats: XLA compiles the two programs separately (fusion and FMA
       # contraction may differ by an ulp).
       chex.assert_trees_all_close((fp, fs), (rp, rs), rtol=1e-6, atol=1e-7)
@@ -147,14 +134,14 @@ def test_transforms_after_the_wrapper_do_not_move_params_on_a_skip():
     optax.scale(-0.1),
   )
   params = _params()
-  with _standard():
+  with standard_promotion():
     state = tx.init(params)
     p, s = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(
       _grads(0, INF), state, params
     )
     moved, _ = tx.update(_grads(0, INF), state, params)
-  _assert_trees_equal(p, params)
-  _assert_trees_equal(s[1:], state[1:])
+  assert_trees_equal(p, params)
+  assert_trees_equal(s[1:], state[1:])
   assert float(s[0].loss_scale) == 2.0 and not bool(s[0].last_finite)
   assert any(np.asarray(u).any() for u in jax.tree.leaves(moved))
 
@@ -168,7 +155,7 @@ def test_matches_bare_optimizer_fed_only_the_finite_unscaled_steps():
   params = _params()
   step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
   bare = optax.adamw(0.05)
-  with _standard():
+  with standard_promotion():
     state = tx.init(params)
     ref_p, ref_s = params, bare.init(params)
     p = params
@@ -189,11 +176,11 @@ def test_skipped_step_leaves_params_and_inner_state_bitwise():
   tx = ls.dynamic_loss_scale(optax.adam(0.1), initial_scale=2.0)
   params = _params()
   step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
-  with _standard():
+  with standard_promotion():
     state = tx.init(params)
     p1, s1 = step(_grads(0), state, params)
     p2, s2 = step(_grads(1, NAN), s1, p1)
-  _assert_trees_equal((p1, s1.inner_state), (p2, s2.inner_state))
+  assert_trees_equal((p1, s1.inner_state), (p2, s2.inner_state))
   assert float(s2.loss_scale) == 1.0
   assert int(s2.consecutive_skips) == 1
 
@@ -236,13 +223,13 @@ def test_extra_args_are_forwarded_lbfgs():
       return optax.apply_updates(p, u), s
 
     p, s = params, tx.init(params)
-    with _standard():
+    with standard_promotion():
       for _ in range(3):
         p, s = step(p, s)
     return p, s
 
   fused, composed = run(True), run(False)
-  _assert_trees_equal(fused, composed)
+  assert_trees_equal(fused, composed)
   assert float(loss(fused[0])) < 1e-3 * float(loss(params))
 
 
@@ -282,7 +269,7 @@ def test_vmap_members_decide_independently():
 def test_rejects_tx_without_exactly_one_wrapper(tx, message):
   params = _params()
   with (
-    _standard(),
+    standard_promotion(),
     pytest.raises(ValueError, match=rf"apply_gradients\(tx=\.\.\.\).*{message}"),
   ):
     ls.apply_gradients(tx, _grads(0), tx.init(params), params)
@@ -321,10 +308,10 @@ def test_rejects_wrapper_inside_another_transforms_control_flow(name, jit):
   params = _params()
   step = lambda g, s, p: ls.apply_gradients(tx, g, s, p)
   step = jax.jit(step) if jit else step
-  with _standard(), pytest.raises(ValueError, match="control flow"):
+  with standard_promotion(), pytest.raises(ValueError, match="control flow"):
     step(_grads(0), tx.init(params), params)
   # The ordinary step still works there.
-  with _standard():
+  with standard_promotion():
     tx.update(_grads(0), tx.init(params), params)
 
 
@@ -335,7 +322,7 @@ def test_an_already_jitted_update_works(jit):
   step = lambda g, s, p: ls.apply_gradients(tx, g, s, p)
   step = jax.jit(step) if jit else step
   params = _params()
-  with _standard():
+  with standard_promotion():
     state = tx.init(params)
     for i, b in enumerate(_BAD):  # ordinary calls in between change nothing
       tx.update(_grads(i, b), state, params)
@@ -416,7 +403,7 @@ def test_per_example_gradients_with_dpsgd():
   params = _params()
   per_example = jax.tree.map(lambda x: jnp.stack([x, -2 * x, 3 * x]), _grads(0))
   scaled = jax.tree.map(lambda x: 4.0 * x, per_example)
-  with _standard():
+  with standard_promotion():
     state = tx.init(params)
     p, s = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(
       scaled, state, params
@@ -431,7 +418,7 @@ def test_disabled_wrapper_is_the_bare_optimizer_step():
   tx = ls.dynamic_loss_scale(inner, enabled=False)
   params = _params()
   step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
-  with _standard():
+  with standard_promotion():
     state, bare = tx.init(params), inner.init(params)
     p, ref = params, params
     for i in range(3):
@@ -463,7 +450,7 @@ def test_compiled_step_has_one_cond_and_no_param_sized_temporaries():
     return optax.apply_updates(p, u), s
 
   def compile_(f):
-    with _standard():
+    with standard_promotion():
       return (
         jax.jit(f, donate_argnums=(0, 1))
         .lower(params, tx.init(params), params)
@@ -488,14 +475,17 @@ def test_compiled_step_has_one_cond_and_no_param_sized_temporaries():
 
 
 def _all_reduces(hlo):
-  shapes = re.findall(r" = (.*?) all-reduce(?:-start)?\(", hlo)
-  scalar = r"\(?\w+\[\](?:, \w+\[\])*\)?"
-  return len(shapes), sum(bool(re.fullmatch(scalar, s)) for s in shapes)
+  """(all-reduces, all-reduces of scalars only) in compiled HLO text."""
+  reduces = [
+    (shapes, n) for (op, shapes), n in collectives(hlo).items() if op == "all-reduce"
+  ]
+  scalar = sum(n for shapes, n in reduces if all(s.endswith("[]") for s in shapes))
+  return sum(n for _, n in reduces), scalar
 
 
 @pytest.mark.parametrize("axis_name, extra_scalar", [(None, 0), ("batch", 1)])
 def test_collectives_after_averaging_in_shard_map(axis_name, extra_scalar):
-  mesh = Mesh(np.array(jax.devices()[:8]), ("batch",))
+  mesh = make_mesh()
   params = {"w": jnp.ones((8, 4)), "b": jnp.ones((4,))}
   tx = ls.dynamic_loss_scale(optax.sgd(0.1), axis_name=axis_name)
 
@@ -573,7 +563,7 @@ def test_pmap_with_axis_name_every_replica_skips_together():
 def test_cross_shard_mean_in_tx_is_reduced_once(axis_name):
   # The decision is taken on the averaged gradients; the applied branch uses
   # those, so the average is computed once, as with tx.update.
-  mesh = Mesh(np.array(jax.devices()[:8]), ("batch",))
+  mesh = make_mesh()
   params = {"w": jnp.ones((8, 4)), "b": jnp.ones((4,))}
   tx = optax.chain(
     ls.cross_shard_mean("batch"),

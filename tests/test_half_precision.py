@@ -14,6 +14,7 @@ import optax.contrib
 import pytest
 
 import lossscale as ls
+from _helpers import assert_trees_equal, standard_promotion
 
 SCALE = 2.0**10  # a power of two: scaling and unscaling are exact
 
@@ -90,16 +91,6 @@ def _dtypes(tree):
   return jax.tree.map(lambda x: jnp.asarray(x).dtype, tree)
 
 
-def _assert_bitwise(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(
-      x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8)
-    )
-
-
 def _assert_close(actual, expected, dtype, ulps=1):
   """Within `ulps` units of `dtype`'s precision of the update's magnitude."""
   eps = ulps * float(jnp.finfo(dtype).eps)
@@ -134,7 +125,7 @@ def test_update_keeps_dtypes_and_matches_bare_optimizer(name, dtype):
     return tx.update(g, s, p)
 
   update = jax.jit(update)
-  with jax.numpy_dtype_promotion("standard"):
+  with standard_promotion():
     state = tx.init(params)
     init_dtypes = _dtypes(state.inner_state)
     updates, finite_state = update(_scaled(grads), state, params)
@@ -152,7 +143,7 @@ def test_update_keeps_dtypes_and_matches_bare_optimizer(name, dtype):
   # Same types on both paths: `lax.cond` accepts them as its two branches.
   jax.lax.cond(True, lambda: state, lambda: finite_state)
   # A skipped step: the inner state bit for bit, exact zeros of the same dtypes.
-  _assert_bitwise(skipped_state.inner_state, finite_state.inner_state)
+  assert_trees_equal(skipped_state.inner_state, finite_state.inner_state)
   assert _dtypes(skip_updates) == _dtypes(updates)
   for z in jax.tree.leaves(skip_updates):
     assert not np.asarray(z, np.float64).any()
@@ -180,7 +171,7 @@ def test_apply_gradients_keeps_dtypes(name, dtype):
     return optax.apply_updates(p, u), s
 
   fused = jax.jit(fused)
-  with jax.numpy_dtype_promotion("standard"):
+  with standard_promotion():
     state = tx.init(params)
     new_params, new_state = fused(grads, state, params)
     kept_params, kept_state = fused(bad, new_state, new_params)
@@ -191,8 +182,8 @@ def test_apply_gradients_keeps_dtypes(name, dtype):
   assert _dtypes(new_state) == _dtypes(state)
   _assert_close(new_params, ref_params, dtype)
   _assert_close(new_state.inner_state, ref_state.inner_state, dtype)
-  _assert_bitwise(kept_params, new_params)
-  _assert_bitwise(kept_state.inner_state, new_state.inner_state)
+  assert_trees_equal(kept_params, new_params)
+  assert_trees_equal(kept_state.inner_state, new_state.inner_state)
   assert int(kept_state.skipped_steps) == 1
 
 
@@ -210,13 +201,13 @@ def test_flax_train_state_with_half_precision_params(dtype):
   grads = _scaled(jax.tree.map(jnp.ones_like, params))
   bad = jax.tree.map(lambda g: jnp.full_like(g, jnp.inf), grads)
   step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
-  with jax.numpy_dtype_promotion("standard"):
+  with standard_promotion():
     new = step(state, grads)
     kept = step(new, bad)
   assert int(new.step) == 1 and int(kept.step) == 1
   assert _dtypes(new.params) == _dtypes(params)
   assert _dtypes(new.opt_state) == _dtypes(state.opt_state)
-  _assert_bitwise(kept.params, new.params)
+  assert_trees_equal(kept.params, new.params)
   assert float(kept.loss_scale) == SCALE / 2
 
 
@@ -228,7 +219,7 @@ def test_apply_gradients_with_a_stateful_transform_after_the_wrapper():
     ls.dynamic_loss_scale(optax.scale_by_adam()), optax.trace(0.9), optax.scale(-0.1)
   )
   step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
-  with jax.numpy_dtype_promotion("standard"):
+  with standard_promotion():
     state = tx.init(params)
     new_params, new_state = step({"w": jnp.full(3, 2.0, jnp.bfloat16)}, state, params)
     kept_params, kept_state = step(
@@ -236,5 +227,5 @@ def test_apply_gradients_with_a_stateful_transform_after_the_wrapper():
     )
   assert _dtypes(new_state) == _dtypes(state)
   assert bool(new_state[0].last_finite) and not bool(kept_state[0].last_finite)
-  _assert_bitwise(kept_params, new_params)
-  _assert_bitwise(kept_state[1:], new_state[1:])
+  assert_trees_equal(kept_params, new_params)
+  assert_trees_equal(kept_state[1:], new_state[1:])

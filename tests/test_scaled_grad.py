@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lossscale as ls
+from _helpers import assert_trees_equal
 
 
 def test_get_loss_scale_finds_the_state_anywhere():
@@ -128,13 +129,6 @@ def _reference(fun, argnums, has_aux, scale):
   return grad_fn
 
 
-def _assert_trees_equal(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    assert np.asarray(u).dtype == np.asarray(v).dtype
-    np.testing.assert_array_equal(u, v)
-
-
 @st.composite
 def _argnums(draw, n=4):
   if draw(st.booleans()):
@@ -155,7 +149,7 @@ def test_value_and_grad_matches_jax_for_any_argnums(argnums, has_aux, scale):
   args, kwargs = _args4()
   out = ls.value_and_grad(fun, argnums, has_aux=has_aux)(scale, *args, **kwargs)
   ref = _reference(fun, argnums, has_aux, scale)(*args, **kwargs)
-  _assert_trees_equal(out, ref)
+  assert_trees_equal(out, ref)
 
 
 def test_negative_argnums_never_differentiate_the_scale_source():
@@ -174,7 +168,7 @@ def test_value_and_grad_under_jit_with_negative_argnums():
   args, kwargs = _args4()
   grad_fn = jax.jit(ls.value_and_grad(_loss4, argnums=(-1, 0)))
   ref = _reference(_loss4, (3, 0), False, 2.0**15)(*args, **kwargs)
-  _assert_trees_equal(grad_fn(2.0**15, *args, **kwargs), ref)
+  assert_trees_equal(grad_fn(2.0**15, *args, **kwargs), ref)
 
 
 @pytest.mark.parametrize("argnums", [4, (0, 4), (-1, 9), -5, (0, -5)])
@@ -219,8 +213,11 @@ def test_a_loss_that_is_not_real_floating_or_a_missing_aux_is_a_type_error():
     jax.value_and_grad(int_loss)(w)
   with pytest.raises(TypeError, match="real floating loss"):
     ls.value_and_grad(int_loss)(1.0, w)
-  with pytest.raises(TypeError, match=r"pair \(loss, aux\)"):
+  # The message says what came back, not the tracer's class.
+  with pytest.raises(TypeError, match=r"pair \(loss, aux\), got a float32\[\] array"):
     ls.value_and_grad(lambda w: jnp.sum(w), has_aux=True)(1.0, w)
+  with pytest.raises(TypeError, match=r"got a tuple of 3"):
+    ls.value_and_grad(lambda w: (jnp.sum(w), 1, 2), has_aux=True)(1.0, w)
 
 
 def test_leaves_that_are_not_floating_arrays_get_none():
@@ -242,8 +239,8 @@ def test_leaves_that_are_not_floating_arrays_get_none():
   # Reference: jax.value_and_grad of the array leaves, the rest held fixed.
   arrays = {k: p[k] for k in ("w", "np", "f16")}
   ref_loss, ref = _reference(lambda a: f({**p, **a}, 0.25), 0, False, 8.0)(arrays)
-  _assert_trees_equal(loss, ref_loss)
-  _assert_trees_equal({k: g[k] for k in arrays}, ref)
+  assert_trees_equal(loss, ref_loss)
+  assert_trees_equal({k: g[k] for k in arrays}, ref)
   assert jax.tree.structure(g, is_leaf=lambda x: x is None) == jax.tree.structure(
     p, is_leaf=lambda x: x is None
   )

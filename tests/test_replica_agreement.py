@@ -1,36 +1,41 @@
-"""Tests for `cross_shard_mean` and consistent skips across replicas.
+"""Replicas take the same decision, and data-parallel training matches one device.
 
-Covers `jax.pmap`, `jax.shard_map` (1-D and 2-D meshes), SPMD `jax.jit` on
-sharded params and optimizer state, and two JAX processes on loopback. The
-reference throughout is single-device training on the averaged gradients.
+Under `jax.pmap`, `shard_map` (1-D and 2-D meshes) and SPMD `jax.jit` on
+sharded params and state, training with `cross_shard_mean` and a wrapper
+follows single-device training on the averaged gradients, replicas hold
+the same bits, and the wrapper's `axis_name` costs one scalar all-reduce.
+Without averaging, only `axis_name` keeps the replicas' decisions together.
 """
 
 import collections
-import importlib.util
-import json
-import os
-import pathlib
-import re
-import socket
-import subprocess
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax.tree_utils import tree_get
 
 import _compat
 import lossscale as ls
+from _helpers import (
+  INF,
+  NAN,
+  ScaleRule,
+  collectives,
+  make_mesh,
+  reference_rule,
+  stack,
+  standard_promotion,
+)
 
 N = 8  # devices (tests/conftest.py)
+
 STEPS = 20
 ROWS, FEATURES, OUTPUTS = 2, 8, 3  # rows per device
+
 # step -> (device whose data holds the bad value, the value)
 BAD = {
   3: (5, np.inf),
@@ -39,7 +44,7 @@ BAD = {
   10: (7, np.inf),
   16: (3, np.nan),
 }
-CONFIG = dict(initial_scale=2.0**10, growth_interval=3)
+RULE = ScaleRule(initial_scale=2.0**10, growth_interval=3)
 LR = 1e-2
 
 
@@ -66,8 +71,7 @@ def _init_params():
 
 def _averaged_tx(axis_name=None):
   return optax.chain(
-    ls.cross_shard_mean("batch"),
-    ls.dynamic_loss_scale(optax.adamw(LR), **CONFIG, axis_name=axis_name),
+    ls.cross_shard_mean("batch"), RULE.tx(optax.adamw(LR), axis_name=axis_name)
   )
 
 
@@ -90,26 +94,11 @@ def _counters(opt_state):
   return np.asarray(scale), np.asarray(tree_get(opt_state, "skipped_steps"))
 
 
-def _expected_history():
-  """Hand-run of the documented rule (hysteresis 1) on the BAD schedule."""
-  scale, good, skipped, scales, skips = CONFIG["initial_scale"], 0, 0, [], []
-  for t in range(STEPS):
-    if t in BAD:
-      scale, good, skipped = scale / 2, 0, skipped + 1
-    else:
-      good += 1
-      if good == CONFIG["growth_interval"]:
-        scale, good = scale * 2, 0
-    scales.append(scale)
-    skips.append(skipped)
-  return scales, skips
-
-
 @pytest.fixture(scope="module")
 def reference():
   """Single device: the wrapper fed the mean of the per-device gradients."""
   x, y = _data()
-  tx = ls.dynamic_loss_scale(optax.adamw(LR), **CONFIG)
+  tx = RULE.tx(optax.adamw(LR))
 
   @jax.jit
   def step(params, opt_state, x, y):
@@ -129,11 +118,16 @@ def reference():
   return history
 
 
-def test_reference_follows_the_hand_computed_schedule(reference):
-  scales, skips = _expected_history()
-  np.testing.assert_array_equal([h[0] for h in reference], scales)
-  np.testing.assert_array_equal([h[1] for h in reference], skips)
-  assert min(scales) < CONFIG["initial_scale"] < max(scales)  # both directions
+def test_reference_follows_the_scale_rule(reference):
+  expected = reference_rule(RULE, [t not in BAD for t in range(STEPS)])
+  np.testing.assert_array_equal([h[0] for h in reference], [e[0] for e in expected])
+  np.testing.assert_array_equal([h[1] for h in reference], [e[3] for e in expected])
+  scales = [h[0] for h in reference]
+  assert min(scales) < RULE.initial_scale < max(scales)  # both directions
+
+
+# ---------------------------------------------------------------------------
+# Data-parallel training matches one device.
 
 
 def _assert_matches(history, reference):
@@ -165,17 +159,13 @@ def _pmap_step(tx):
   return jax.pmap(step, axis_name="batch")
 
 
-def _stack(tree):
-  return jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *jnp.shape(a))), tree)
-
-
 @pytest.mark.parametrize("axis_name", [None, "batch"])
 def test_pmap_replicas_skip_together_and_match_single_device(reference, axis_name):
   x, y = _data()
   tx = _averaged_tx(axis_name)
   step = _pmap_step(tx)
-  params = _stack(_init_params())
-  opt_state = _stack(tx.init(_init_params()))
+  params = stack(_init_params())
+  opt_state = stack(tx.init(_init_params()))
   history = []
   for t in range(STEPS):
     params, opt_state = step(params, opt_state, x[t], y[t])
@@ -188,10 +178,6 @@ def test_pmap_replicas_skip_together_and_match_single_device(reference, axis_nam
       (scale[0], skipped[0], jax.tree.map(lambda a: np.asarray(a[0]), params))
     )
   _assert_matches(history, reference)
-
-
-def _mesh(shape=(N,), names=("batch",)):
-  return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
 
 
 def _shard_map_step(tx, mesh):
@@ -214,7 +200,7 @@ def _shard_map_step(tx, mesh):
 @pytest.mark.parametrize("axis_name", [None, "batch"])
 def test_shard_map_replicas_skip_together_and_match_single_device(reference, axis_name):
   x, y = _data()
-  mesh = _mesh()
+  mesh = make_mesh()
   tx = _averaged_tx(axis_name)
   step = _shard_map_step(tx, mesh)
   params = jax.device_put(_init_params(), NamedSharding(mesh, P()))
@@ -262,8 +248,8 @@ def _spmd_step(tx, mesh):
 
 def test_spmd_jit_with_sharded_params_and_state_matches_single_device(reference):
   x, y = _data()
-  mesh = _mesh()
-  tx = ls.dynamic_loss_scale(optax.adamw(LR), **CONFIG)
+  mesh = make_mesh()
+  tx = RULE.tx(optax.adamw(LR))
   step, params, opt_state = _spmd_step(tx, mesh)
   history = []
   for t in range(STEPS):
@@ -281,21 +267,8 @@ def test_spmd_jit_with_sharded_params_and_state_matches_single_device(reference)
   assert tree_get(opt_state, "loss_scale").sharding.is_fully_replicated
 
 
-# Collective counts in the compiled HLO.
-
-_COLLECTIVE = re.compile(
-  r"=\s*(\([^)]*\)|\S+)\s+"
-  r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
-)
-
-
-def _collectives(hlo_text):
-  """Counter of (op, sorted operand shapes), layouts dropped."""
-  found = collections.Counter()
-  for shape, op in _COLLECTIVE.findall(hlo_text):
-    shape = re.sub(r"\{[^}]*\}", "", shape).strip("()")
-    found[op, tuple(sorted(s.strip() for s in shape.split(", ")))] += 1
-  return found
+# ---------------------------------------------------------------------------
+# What agreement costs: collectives in the compiled step.
 
 
 def _shapes(counter):
@@ -308,16 +281,16 @@ def _compile_averaged(kind, tx):
   x, y = _data()
   params = _init_params()
   if kind == "pmap":
-    lowered = _pmap_step(tx).lower(_stack(params), _stack(tx.init(params)), x[0], y[0])
+    lowered = _pmap_step(tx).lower(stack(params), stack(tx.init(params)), x[0], y[0])
   else:
-    mesh = _mesh()
+    mesh = make_mesh()
     lowered = _shard_map_step(tx, mesh).lower(
       params,
       tx.init(params),
       x[0].reshape(N * ROWS, FEATURES),
       y[0].reshape(N * ROWS, OUTPUTS),
     )
-  return _collectives(lowered.compile().as_text())
+  return collectives(lowered.compile().as_text())
 
 
 @pytest.mark.parametrize("kind", ["pmap", "shard_map"])
@@ -338,15 +311,13 @@ def test_averaging_then_loss_scaling_adds_no_collective(kind):
 
 def test_spmd_fsdp_finite_check_costs_one_scalar_all_reduce():
   x, y = _data()
-  mesh = _mesh()
+  mesh = make_mesh()
   found = []
-  for tx in (optax.adamw(LR), ls.dynamic_loss_scale(optax.adamw(LR), **CONFIG)):
+  for tx in (optax.adamw(LR), RULE.tx(optax.adamw(LR))):
     step, params, opt_state = _spmd_step(tx, mesh)
     xt = x[0].reshape(N * ROWS, FEATURES)
     yt = y[0].reshape(N * ROWS, OUTPUTS)
-    found.append(
-      _collectives(step.lower(params, opt_state, xt, yt).compile().as_text())
-    )
+    found.append(collectives(step.lower(params, opt_state, xt, yt).compile().as_text()))
   bare, scaled = found
   # Each device checks its own shard of the sharded gradients; the compiler
   # combines the flags with one scalar all-reduce and adds nothing else. (XLA's
@@ -365,8 +336,9 @@ def test_spmd_fsdp_finite_check_costs_one_scalar_all_reduce():
   assert sum(scaled.values()) <= sum(bare.values()) + 1
 
 
-# Sharded updates without averaging: only the wrapper's axis name keeps the
-# replicas' decisions in step.
+# ---------------------------------------------------------------------------
+# Without averaging, only the wrapper's axis name keeps decisions together.
+
 
 FACTORIES = {
   "dynamic": lambda axis: ls.dynamic_loss_scale(optax.sgd(0.1), axis_name=axis),
@@ -385,7 +357,7 @@ def _per_replica_run(tx, bad_device=3):
     "w": jnp.asarray(rng.standard_normal((N, FEATURES, OUTPUTS)), jnp.float32),
     "b": jnp.zeros((N, OUTPUTS), jnp.float32),
   }
-  opt_state = _stack(tx.init(jax.tree.map(lambda a: a[0], params)))
+  opt_state = stack(tx.init(jax.tree.map(lambda a: a[0], params)))
   step = _pmap_step(tx)
   params, opt_state = step(params, opt_state, x[0], y[0])
   before = jax.tree.map(np.asarray, params)
@@ -414,70 +386,6 @@ def test_without_axis_name_replicas_disagree():
   np.testing.assert_array_equal(scale, np.where(expected_skip, 128.0, 256.0))
 
 
-# Reductions and multi-axis meshes.
-
-
-def _grads_2d():
-  rng = np.random.default_rng(3)
-  return rng.standard_normal((N, 5)).astype(np.float32)
-
-
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_reduction_over_a_tuple_of_axes_on_2d_mesh(reduction):
-  g = _grads_2d()
-  mesh = _mesh((2, 4), ("data", "model"))
-  tx = ls.cross_shard_mean(("data", "model"), reduction=reduction)
-  count = jnp.arange(N, dtype=jnp.int32)
-
-  @jax.jit
-  @_compat.shard_map(
-    mesh=mesh, in_specs=P(("data", "model")), out_specs=(P(), P(("data", "model")))
-  )
-  def reduce(g, count):
-    updates, state = tx.update({"g": g[0], "count": count}, tx.init(None))
-    assert state == optax.EmptyState()
-    return updates["g"], updates["count"]
-
-  out, count_out = reduce(g, count)
-  want = g.astype(np.float64).sum(0)
-  if reduction == "mean":
-    want /= N
-  np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
-  # Integer leaves carry no gradient: passed through, not reduced.
-  np.testing.assert_array_equal(count_out, np.arange(N))
-
-
-def test_reduction_over_one_axis_of_a_2d_mesh():
-  g = _grads_2d()
-  mesh = _mesh((2, 4), ("data", "model"))
-  tx = ls.cross_shard_mean("model")
-
-  @jax.jit
-  @_compat.shard_map(mesh=mesh, in_specs=P(("data", "model")), out_specs=P("data"))
-  def reduce(g):
-    return tx.update({"g": g}, optax.EmptyState())[0]["g"]
-
-  want = g.astype(np.float64).reshape(2, 4, 5).mean(axis=1)
-  np.testing.assert_allclose(reduce(g), want, rtol=1e-6, atol=1e-6)
-
-
-def test_pmap_sum_is_mean_times_replicas():
-  g = _grads_2d()
-  run = lambda r: jax.pmap(
-    lambda g: ls.cross_shard_mean("batch", reduction=r).update(g, optax.EmptyState())[
-      0
-    ],
-    axis_name="batch",
-  )(g)
-  mean, total = run("mean"), run("sum")
-  np.testing.assert_allclose(
-    mean[0], g.astype(np.float64).mean(0), rtol=1e-6, atol=1e-6
-  )
-  np.testing.assert_allclose(
-    total[0], g.astype(np.float64).sum(0), rtol=1e-6, atol=1e-6
-  )
-
-
 @pytest.mark.parametrize(
   ("axis_name", "skipping"),
   [(("data", "model"), [1] * 8), ("model", [0, 0, 0, 0, 1, 1, 1, 1])],
@@ -485,7 +393,7 @@ def test_pmap_sum_is_mean_times_replicas():
 def test_wrapper_axis_name_tuple_on_2d_mesh(axis_name, skipping):
   # An inf on device 5 (data row 1): reduced over both axes every device
   # skips; reduced over "model" only, just data row 1 skips.
-  mesh = _mesh((2, 4), ("data", "model"))
+  mesh = make_mesh((2, 4), ("data", "model"))
   tx = ls.static_loss_scale(optax.sgd(1.0), 2.0, axis_name=axis_name)
   g = np.ones((N, 3), np.float32)
   g[5, 1] = np.inf
@@ -503,169 +411,122 @@ def test_wrapper_axis_name_tuple_on_2d_mesh(axis_name, skipping):
   np.testing.assert_array_equal(updates, want)
 
 
-# Errors.
+# ---------------------------------------------------------------------------
+# Fault injection on 8 replicas, 500 steps.
 
 
-@pytest.mark.parametrize("reduction", ["max", "MEAN", None, 0])
-def test_unsupported_reduction(reduction):
-  with pytest.raises(
-    ValueError, match=re.escape(f"Unsupported reduction: {reduction!r}")
+_N_STEPS = 500
+
+_BATCH = 4
+_FAULT_RULE = ScaleRule(growth_interval=20)
+
+
+def _linear_loss(params, x, y):
+  pred = x @ params["w"] + params["b"]
+  return jnp.mean((pred - y) ** 2)
+
+
+def _fault_plan(n_dev, seed=0):
+  """Per step and replica: 0 clean, 1/2 inf/NaN in the local gradient before
+  the all-reduce, 3/4 inf/NaN after it (this replica only; only `axis_name`
+  keeps the replicas together then)."""
+  rng = np.random.default_rng(seed)
+  kinds = np.zeros((_N_STEPS, n_dev), np.int32)
+  for t in rng.choice(_N_STEPS, size=60, replace=False):
+    replicas = rng.choice(n_dev, size=rng.integers(1, 4), replace=False)
+    kinds[t, replicas] = rng.integers(1, 5, size=len(replicas))
+  positions = rng.integers(0, 4 * 3, size=(_N_STEPS, n_dev))
+  x = rng.standard_normal((_N_STEPS, n_dev, _BATCH, 4)).astype(np.float32)
+  w_true = rng.standard_normal((4, 3)).astype(np.float32)
+  y = x @ w_true + np.float32(0.1) * rng.standard_normal((_N_STEPS, n_dev, _BATCH, 3))
+  return kinds, positions, x, y.astype(np.float32)
+
+
+def test_fault_injection_on_eight_replicas():
+  n_dev = jax.local_device_count()
+  assert n_dev == 8
+  kinds, positions, x, y = _fault_plan(n_dev)
+  injected = (kinds != 0).any(axis=1)
+  params = {"w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
+  make_inner = lambda: optax.adamw(optax.cosine_decay_schedule(0.05, _N_STEPS), 1e-3)
+  tx = ls.dynamic_loss_scale(make_inner(), growth_interval=20, axis_name="batch")
+  grad_fn = ls.value_and_grad(_linear_loss)
+
+  def poison(g, kind, pos, when):
+    bad = jnp.where(kind == when[0], INF, NAN)
+    hit = jnp.logical_or(kind == when[0], kind == when[1])
+    flat = g.reshape(-1)
+    return flat.at[pos].set(jnp.where(hit, bad, flat[pos])).reshape(g.shape)
+
+  def replica(params, state, xs, ys, ks, ps):
+    def step(carry, inputs):
+      params, state = carry
+      x, y, kind, pos = inputs
+      _, grads = grad_fn(state, params, x, y)
+      grads["w"] = poison(grads["w"], kind, pos, (1, 2))
+      grads = jax.lax.pmean(grads, "batch")
+      grads["w"] = poison(grads["w"], kind, pos, (3, 4))
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+      state_finite = jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(state)])
+      )
+      trace = (params, state.loss_scale, state.skipped_steps, state_finite)
+      return (params, state), trace
+
+    return jax.lax.scan(step, (params, state), (xs, ys, ks, ps))
+
+  replicate = lambda t: jax.tree.map(lambda a: jnp.stack([a] * n_dev), t)
+  swap = lambda a: jnp.asarray(np.swapaxes(a, 0, 1))  # (replica, step, ...)
+  with standard_promotion():
+    (final_params, final_state), trace = jax.pmap(replica, axis_name="batch")(
+      replicate(params),
+      replicate(tx.init(params)),
+      swap(x),
+      swap(y),
+      swap(kinds),
+      swap(positions),
+    )
+  trace_params, scales, skipped, state_finite = jax.tree.map(np.asarray, trace)
+
+  # Replicas never diverge: every step, every replica holds the same bits.
+  for leaf in jax.tree.leaves((trace_params, scales, skipped)):
+    assert (leaf == leaf[:1]).all()
+  # Every injected step, and only those, is skipped.
+  steps_skipped = np.diff(skipped[0], prepend=0) == 1
+  np.testing.assert_array_equal(steps_skipped, injected)
+  assert skipped[0, -1] == injected.sum() == int(final_state.skipped_steps[0])
+  # No NaN or inf ever reaches the params or the optimizer state.
+  assert all(np.isfinite(v).all() for v in jax.tree.leaves(trace_params))
+  assert state_finite.all()
+  assert ls.nonfinite_leaves((final_params, final_state)) == {}
+  # The scale follows the independent model fed the injection pattern.
+  expected_scales = [s[0] for s in reference_rule(_FAULT_RULE, ~injected)]
+  np.testing.assert_array_equal(scales[0], np.array(expected_scales, np.float32))
+  # And the params follow bare adamw fed the clean mean gradients only.
+  reference_params = _bare_adamw_on_clean_steps(make_inner(), params, x, y, injected)
+  for got, want in zip(
+    jax.tree.leaves(final_params), jax.tree.leaves(reference_params), strict=True
   ):
-    ls.cross_shard_mean("batch", reduction=reduction)
+    np.testing.assert_allclose(got[0], want, rtol=2e-5, atol=1e-6)
+  assert np.abs(final_params["w"][0]).max() > 0.5  # it did train
 
 
-@pytest.mark.parametrize("axis_name", [None, (), ["batch"], ("batch", None)])
-def test_invalid_axis_name(axis_name):
-  with pytest.raises(ValueError, match=re.escape("`cross_shard_mean(axis_name=...)`")):
-    ls.cross_shard_mean(axis_name)
+def _bare_adamw_on_clean_steps(opt, params, x, y, injected):
+  """optax alone, on the mean gradient of all replicas' data, skipping by
+  Python control flow: independent of lossscale."""
+  n_dev = x.shape[1]
 
+  @jax.jit
+  def step(params, state, x, y):
+    grads = jax.grad(
+      lambda p: jnp.mean(jnp.stack([_linear_loss(p, x[d], y[d]) for d in range(n_dev)]))
+    )(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
 
-@pytest.mark.parametrize(
-  ("make", "axis"),
-  [
-    (ls.cross_shard_mean, "batch"),
-    (ls.cross_shard_mean, ("batch", "model")),
-    (lambda a: ls.dynamic_loss_scale(optax.sgd(1.0), axis_name=a), "batch"),
-    (lambda a: ls.skip_nonfinite(optax.sgd(1.0), axis_name=a), ("batch", "model")),
-  ],
-)
-def test_unbound_axis_says_how_to_bind_it(make, axis):
-  tx = make(axis)
-  grads = {"w": jnp.ones(2)}
-  state = tx.init(grads)
-  bind = (
-    re.escape("pmap(axis_name=...)")
-    + ".*"
-    + re.escape(f"jax.pmap(step, axis_name={axis!r})")
-    + ".*shard_map"
-  )
-  with pytest.raises(NameError, match=bind):
-    jax.jit(tx.update)(grads, state)
-  with pytest.raises(NameError, match=bind):
-    jax.pmap(lambda g: tx.update(g, state)[0], axis_name="other")(_stack(grads))
-
-
-# Two processes on loopback.
-
-_WORKER = pathlib.Path(__file__).with_name("_multiprocess_worker.py")
-
-
-def _load_worker():
-  spec = importlib.util.spec_from_file_location("_multiprocess_worker", _WORKER)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def _free_port():
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def test_two_processes_skip_together(tmp_path):
-  worker = _load_worker()
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the children set 2 devices each themselves
-  env["JAX_PLATFORMS"] = "cpu"
-  root = str(pathlib.Path(__file__).resolve().parents[1])
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-  coordinator = f"127.0.0.1:{_free_port()}"
-  outs = [tmp_path / f"process{i}.json" for i in range(2)]
-  logs = [tmp_path / f"process{i}.log" for i in range(2)]
-  children = []
-  try:
-    for i in range(2):
-      with open(logs[i], "w") as log:
-        children.append(
-          subprocess.Popen(
-            [sys.executable, str(_WORKER), coordinator, str(i), str(outs[i])],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-          )
-        )
-    # Wait for both; stop early if one fails (the other would block in a
-    # collective until its timeout).
-    deadline = time.monotonic() + 240
-    while any(c.poll() is None for c in children) and time.monotonic() < deadline:
-      if any(c.poll() not in (None, 0) for c in children):
-        break
-      time.sleep(0.2)
-  finally:
-    for child in children:
-      if child.poll() is None:
-        child.kill()
-      child.wait()
-  for i, child in enumerate(children):
-    assert child.returncode == 0, (
-      f"process {i} exited with {child.returncode}:\n{logs[i].read_text()[-4000:]}"
-    )
-  results = [json.loads(out.read_text()) for out in outs]
-
-  for i, r in enumerate(results):
-    assert r["process_index"] == i
-    assert (r["process_count"], r["device_count"], r["local_device_count"]) == (2, 4, 2)
-  assert results[0]["bad_positions"] == results[1]["bad_positions"]
-  assert len(results[0]["bad_positions"]) == 2  # process 1's two devices
-
-  # Both processes took the same decisions and hold bit-identical params.
-  for key in ("scales_a", "skipped_a", "params_a_hex", "scales_b", "skipped_b"):
-    assert results[0][key] == results[1][key], key
-  skipped = np.cumsum([t in worker.BAD_STEPS for t in range(worker.STEPS)])
-  for key in ("skipped_a", "skipped_b"):
-    np.testing.assert_array_equal(results[0][key], skipped)
-
-  # And the same as one process on 4 devices, with the inf in the same rows.
-  ref = worker.train(_mesh((4,), ("batch",)), results[0]["bad_positions"])
-  for key in ("scales_a", "skipped_a", "scales_b", "skipped_b"):
-    assert results[0][key] == ref[key], key
-  for name, value in ref["params_a"].items():
-    np.testing.assert_allclose(
-      results[0]["params_a"][name], value, rtol=1e-6, atol=1e-7
-    )
-  per_device = {**results[0]["params_b"], **results[1]["params_b"]}
-  assert sorted(per_device) == sorted(ref["params_b"]) == ["0", "1", "2", "3"]
-  for pos, params in ref["params_b"].items():
-    for name, value in params.items():
-      np.testing.assert_allclose(per_device[pos][name], value, rtol=1e-6, atol=1e-7)
-
-
-def test_float16_overflow_in_the_reduction_skips_on_every_replica():
-  # 8 replicas of 12288: the mean would fit in float16, the sum (98304) does
-  # not. The mean is jax.lax.pmean (sum first), so both reductions overflow
-  # loudly: every replica sees the inf, skips and backs off.
-  g = jnp.full((N, 2), 12288.0, jnp.float16)
-
-  def run(reduction):
-    tx = optax.chain(
-      ls.cross_shard_mean("batch", reduction=reduction),
-      ls.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0),
-    )
-    params = jnp.zeros(2, jnp.float16)
-    step = lambda g: tx.update(g, tx.init(params), params)
-    return jax.pmap(step, axis_name="batch")(g)
-
-  ref = jax.pmap(lambda g: jax.lax.pmean(g, "batch"), axis_name="batch")(g)
-  assert np.isinf(np.asarray(ref, np.float32)).all()
-  for reduction in ("mean", "sum"):
-    updates, state = run(reduction)
-    np.testing.assert_array_equal(updates, np.zeros((N, 2)))
-    np.testing.assert_array_equal(state[1].skipped_steps, np.ones(N))
-    np.testing.assert_array_equal(state[1].loss_scale, np.full(N, 2.0))
-  # Halving the gradients (what the backed-off scale does) makes the mean fit.
-  updates, state = jax.pmap(
-    lambda g: ls.cross_shard_mean("batch").update(g, optax.EmptyState()),
-    axis_name="batch",
-  )(g / 2)
-  np.testing.assert_array_equal(updates, np.full((N, 2), 6144.0))
-  # The update keeps each leaf's dtype.
-  out = jax.pmap(
-    lambda g: ls.cross_shard_mean("batch").update(g, optax.EmptyState())[0],
-    axis_name="batch",
-  )({"h": g, "b": g.astype(jnp.bfloat16), "z": g.astype(jnp.complex64)})
-  assert {k: v.dtype for k, v in out.items()} == {
-    "h": jnp.float16,
-    "b": jnp.bfloat16,
-    "z": jnp.complex64,
-  }
+  with standard_promotion():
+    state = opt.init(params)
+    for t in np.flatnonzero(~injected):
+      params, state = step(params, state, x[t], y[t])
+  return params

@@ -1,0 +1,263 @@
+"""The gradient trees and dtypes the wrappers take, and what they do with them.
+
+Mismatched trees fail early and clearly; integer, bool, float0 and None
+leaves pass through unscaled; masked, empty and scalar leaves work; half
+precision is unscaled in float32, float64 and complex in their own dtype;
+per-example gradients (a leading batch axis) are allowed.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import _compat
+import lossscale as ls
+from _helpers import INF, NAN, assert_trees_close, standard_promotion
+
+_SGD_LR = 0.5
+
+
+def _sgd_tx(initial_scale=4.0):
+  return ls.dynamic_loss_scale(optax.sgd(_SGD_LR), initial_scale=initial_scale)
+
+
+# ---------------------------------------------------------------------------
+# Trees.
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+  "grads, match",
+  [
+    ({"a": jnp.ones(2)}, "gradient tree does not match the params tree"),
+    ({"a": jnp.ones(2), "b": jnp.ones(3), "c": jnp.ones(1)}, "does not match"),
+    ([jnp.ones(2), jnp.ones(3)], "does not match"),
+    ({"a": jnp.ones(3), "b": jnp.ones(3)}, r"at \['a'\] has shape \(3,\)"),
+    ({"a": jnp.ones(2), "b": jnp.ones((3, 1))}, r"at \['b'\] has shape \(3, 1\)"),
+    ({"a": jnp.ones(2), "b": jnp.ones(4)}, r"\['b'\] has shape \(4,\)"),
+  ],
+)
+def test_mismatched_gradients_with_params_raise_early(grads, match, jit):
+  params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  tx = ls.dynamic_loss_scale(optax.adam(0.1))
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  with pytest.raises(ValueError, match=match):
+    update(grads, state, params)
+
+
+def test_mismatched_gradients_without_params():
+  # Without params nothing says what the tree should be: a stateful inner
+  # optimizer fails on its own state's tree, a stateless one returns updates
+  # of the gradients' shape, which `optax.apply_updates` then rejects.
+  params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+  wrong = {"a": jnp.ones(2)}
+  with standard_promotion():
+    tx = ls.dynamic_loss_scale(optax.adam(0.1))
+    with pytest.raises(ValueError, match=r"pytree structure|Dict key mismatch"):
+      jax.jit(tx.update)(wrong, tx.init(params))
+  tx = _sgd_tx()
+  updates, _ = jax.jit(tx.update)(wrong, tx.init(params))
+  with pytest.raises(ValueError):
+    optax.apply_updates(params, updates)
+
+
+def test_integer_bool_and_float0_leaves_pass_through_unscaled():
+  params = {"w": jnp.array([1.0, -2.0]), "n": jnp.int32(7), "on": jnp.array(True)}
+  mask = {"w": True, "n": False, "on": False}
+  tx = ls.dynamic_loss_scale(optax.masked(optax.sgd(_SGD_LR), mask), initial_scale=4.0)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+
+  # float0 gradients, as `jax.grad(..., allow_int=True)` gives them.
+  def loss(p):
+    return ls.scale_loss(jnp.sum(p["w"] ** 2), state)
+
+  grads = jax.grad(loss, allow_int=True)(params)
+  assert grads["n"].dtype == jax.dtypes.float0
+  updates, new_state = update(grads, state, params)
+  np.testing.assert_array_equal(updates["w"], -_SGD_LR * 2.0 * np.array([1.0, -2.0]))
+  assert updates["n"].dtype == jax.dtypes.float0
+  assert updates["on"].dtype == jax.dtypes.float0
+  assert int(new_state.skipped_steps) == 0
+
+  # Integer gradient leaves: never checked, never divided by the scale.
+  int_grads = {"w": jnp.array([4.0, 8.0]), "n": jnp.int32(-3), "on": jnp.array(True)}
+  updates, new_state = update(int_grads, state, params)
+  np.testing.assert_array_equal(updates["w"], [-0.5, -1.0])
+  assert updates["n"].dtype == jnp.int32 and int(updates["n"]) == -3
+  assert bool(updates["on"])
+  # ... and zeroed, like every update, on a skipped step.
+  bad = dict(int_grads, w=jnp.array([NAN, 8.0]))
+  updates, new_state = update(bad, state, params)
+  assert int(new_state.skipped_steps) == 1
+  assert int(updates["n"]) == 0 and not bool(updates["on"])
+  np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+
+
+def test_none_leaves():
+  params = {"a": jnp.array([1.0, 2.0]), "frozen": None}
+  tx = _sgd_tx()
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  updates, state = update({"a": jnp.array([4.0, -4.0]), "frozen": None}, state, params)
+  assert updates["frozen"] is None
+  np.testing.assert_array_equal(updates["a"], [-0.5, 0.5])
+  updates, state = update({"a": jnp.array([INF, 1.0]), "frozen": None}, state, params)
+  assert updates["frozen"] is None and int(state.skipped_steps) == 1
+
+
+def test_wrapper_inside_optax_masked_sees_masked_nodes():
+  params = {"w": jnp.array([1.0, 2.0]), "frozen": jnp.array([3.0])}
+  mask = {"w": True, "frozen": False}
+  with standard_promotion():
+    tx = optax.masked(ls.dynamic_loss_scale(optax.adam(0.1), initial_scale=8.0), mask)
+    state = tx.init(params)
+    inner = ls._scaled_grad.find_state(state)
+    assert isinstance(inner.inner_state[0].mu["frozen"], optax.MaskedNode)
+    update = jax.jit(tx.update)
+    updates, state = update(
+      {"w": jnp.array([8.0, -8.0]), "frozen": jnp.ones(1)}, state, params
+    )
+    bare = optax.adam(0.1)
+    expected, _ = bare.update(
+      {"w": jnp.array([1.0, -1.0])}, bare.init({"w": params["w"]})
+    )
+  np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-6)
+  np.testing.assert_array_equal(updates["frozen"], [1.0])  # masked: passed through
+  with standard_promotion():
+    updates, state = update(
+      {"w": jnp.array([NAN, 1.0]), "frozen": jnp.ones(1)}, state, params
+    )
+  assert int(ls._scaled_grad.find_state(state).skipped_steps) == 1
+  np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+  assert ls.nonfinite_leaves(state) == {}
+
+
+def test_zero_size_and_scalar_leaves():
+  params = {"empty": jnp.zeros((0, 3)), "s": jnp.float32(2.0), "v": jnp.ones(2)}
+  with standard_promotion():
+    tx = ls.dynamic_loss_scale(optax.adamw(0.1), initial_scale=4.0)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    grads = {"empty": jnp.zeros((0, 3)), "s": jnp.float32(4.0), "v": jnp.full(2, 8.0)}
+    updates, state = update(grads, state, params)
+    bare = optax.adamw(0.1)
+    unscaled = {
+      "empty": jnp.zeros((0, 3)),
+      "s": jnp.float32(1.0),
+      "v": jnp.full(2, 2.0),
+    }
+    expected, _ = bare.update(unscaled, bare.init(params), params)
+    assert updates["empty"].shape == (0, 3) and updates["s"].shape == ()
+    for k in ["s", "v"]:
+      np.testing.assert_allclose(updates[k], expected[k], rtol=1e-6)
+    # A non-finite scalar leaf skips the step.
+    updates, state = update(dict(grads, s=jnp.float32(NAN)), state, params)
+    assert int(state.skipped_steps) == 1
+    # A tree of only zero-size leaves is finite: the step is applied.
+    only_empty = {"e": jnp.zeros((0,))}
+    tx2 = ls.dynamic_loss_scale(optax.adamw(0.1))
+    _, state2 = jax.jit(tx2.update)(only_empty, tx2.init(only_empty), only_empty)
+  assert int(state2.skipped_steps) == 0 and int(state2.good_steps) == 1
+
+
+# optax.contrib.dpsgd passes `seed` on, which newer optax deprecates.
+@pytest.mark.filterwarnings("ignore:.*seed.*:DeprecationWarning")
+def test_per_example_gradients_with_dpsgd():
+  clip, batch = 1.0, 5
+  inner = optax.contrib.dpsgd(0.1, l2_norm_clip=clip, noise_multiplier=0.0, seed=0)
+  tx = ls.static_loss_scale(inner, 8.0)
+  params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+  k1, k2 = jax.random.split(jax.random.key(3))
+  per_example = {
+    "w": jax.random.normal(k1, (batch, 3)),
+    "b": jax.random.normal(k2, (batch,)),
+  }
+  scaled = jax.tree.map(lambda g: g * 8.0, per_example)
+  with standard_promotion():
+    updates, state = jax.jit(tx.update)(scaled, tx.init(params), params)
+    expected, _ = inner.update(per_example, inner.init(params), params)
+  assert_trees_close(updates, expected)
+  assert bool(state.last_finite)
+  bad = jax.tree.map(lambda g: g.at[2].set(NAN), scaled)
+  with standard_promotion():
+    zeros, state = jax.jit(tx.update)(bad, state, params)
+  assert int(state.skipped_steps) == 1
+  assert not any(np.asarray(z).any() for z in jax.tree.leaves(zeros))
+
+
+# ---------------------------------------------------------------------------
+# Dtypes.
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_low_precision_gradients_unscale_in_float32(dtype):
+  params = {"w": jnp.ones(3, dtype)}
+  tx = _sgd_tx(initial_scale=2.0**10)
+  state = tx.init(params)
+  # 3 * 2**10 is exact in every dtype; the updates come out in float32.
+  grads = {"w": jnp.array([3.0, -1.0, 0.5], dtype) * 2.0**10}
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  assert updates["w"].dtype == jnp.float32
+  np.testing.assert_array_equal(updates["w"], -_SGD_LR * np.array([3.0, -1.0, 0.5]))
+  # 2**17 overflows float16 (max 65504) to inf, not bfloat16 or float32.
+  big = {"w": jnp.array([2.0**17, 1.0, 1.0], jnp.float32).astype(dtype)}
+  overflowed = dtype == jnp.float16
+  assert np.isinf(np.asarray(big["w"], np.float32)[0]) == overflowed
+  _, state = jax.jit(tx.update)(big, state, params)
+  assert int(state.skipped_steps) == int(overflowed)
+
+
+def test_float16_gradients_are_unscaled_in_float32():
+  # 60000 * 2**-15 needs float32: in float16 the product of the gradient and
+  # 1/scale would round; the update must equal the float32 computation.
+  tx = ls.static_loss_scale(optax.identity(), 2.0**15)
+  g = jnp.array([60000.0, 3.0, 2.0**-10], jnp.float16)
+  u, _ = jax.jit(tx.update)(g, tx.init(g))
+  assert u.dtype == jnp.float32
+  np.testing.assert_array_equal(u, g.astype(jnp.float32) / np.float32(2**15))
+
+
+def test_unscaled_overflow_is_detected_for_scales_below_one():
+  # 3e38 is finite, but 3e38 / 0.5 is not: the check is on unscaled values.
+  tx = ls.static_loss_scale(optax.identity(), 0.5)
+  g = jnp.array([3e38, 1.0], jnp.float32)
+  u, state = jax.jit(tx.update)(g, tx.init(g))
+  assert int(state.skipped_steps) == 1
+  np.testing.assert_array_equal(u, np.zeros(2))
+
+
+def test_float64_gradients_with_x64():
+  with _compat.enable_x64(True):
+    params = {"w": jnp.ones(2, jnp.float64)}
+    tx = _sgd_tx(initial_scale=2.0**10)
+    state = tx.init(params)
+    # 1 + 2**-40 needs float64: an unscale in float32 would round it away.
+    g = np.array([1.0 + 2.0**-40, -3.0]) * 2.0**10
+    updates, state = jax.jit(tx.update)(
+      {"w": jnp.asarray(g, jnp.float64)}, state, params
+    )
+    assert updates["w"].dtype == jnp.float64
+    np.testing.assert_array_equal(updates["w"], -_SGD_LR * (g / 2.0**10))
+    assert state.loss_scale.dtype == jnp.float32
+    assert state.skipped_steps.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("dtype", [jnp.complex64, jnp.complex128])
+def test_complex_gradients(dtype):
+  with _compat.enable_x64(dtype == jnp.complex128):
+    params = {"z": jnp.ones(2, dtype)}
+    tx = _sgd_tx(initial_scale=4.0)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    g = np.array([4.0 + 8.0j, -2.0j])
+    updates, state = update({"z": jnp.asarray(g, dtype)}, state, params)
+    assert updates["z"].dtype == dtype
+    np.testing.assert_array_equal(updates["z"], -_SGD_LR * g / 4.0)
+    for bad in [complex(1.0, INF), complex(NAN, 0.0), complex(-INF, 1.0)]:
+      updates, state = update({"z": jnp.asarray([bad, 1.0], dtype)}, state, params)
+      np.testing.assert_array_equal(updates["z"], [0.0, 0.0])
+    assert int(state.skipped_steps) == 3
