@@ -323,8 +323,15 @@ def _wrap(
     if isinstance(given, Decision):
       updates = given.incoming
     _check_matches_params(fn, updates, params)
-    unscaled = _unscale(updates, state.loss_scale) if rule.scaled else updates
-    finite = given.finite if isinstance(given, Decision) else decide(unscaled)
+
+    def unscaled():
+      # Computed where it is used, not once and shared: in the decision XLA
+      # fuses it into the finite check's reduction, and in `apply` into the
+      # inner optimizer, so no param-sized unscaled copy is ever written
+      # (sharing it made `lax.cond` take it as a materialized operand).
+      return _unscale(updates, state.loss_scale) if rule.scaled else updates
+
+    finite = given.finite if isinstance(given, Decision) else decide(unscaled())
 
     # Half-precision gradients are unscaled in float32; the inner optimizer
     # then runs in float32 throughout (its state and the params widened too:
@@ -341,7 +348,7 @@ def _wrap(
       # per-member flag) the inner optimizer sees zeros, never inf or NaN.
       safe = jax.tree.map(
         lambda x: jnp.where(finite, x, jnp.zeros_like(x)) if is_inexact(x) else x,
-        unscaled,
+        unscaled(),
       )
       inner_state = _widen(state.inner_state) if widened else state.inner_state
       new_updates, inner_state = inner.update(

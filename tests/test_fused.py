@@ -462,7 +462,9 @@ def test_compiled_step_has_one_cond_and_no_param_sized_temporaries():
   # The composable path must hand the updates out as an array; the fused
   # step writes parameters and moments in place.
   assert c_fused.memory_analysis().temp_size_in_bytes < p_bytes / 2
-  assert c_comp.memory_analysis().temp_size_in_bytes >= p_bytes
+  # ... once: the unscaled gradients are not written out as well (they are
+  # recomputed where they are used, fused into the check and the optimizer).
+  assert p_bytes <= c_comp.memory_analysis().temp_size_in_bytes < 1.5 * p_bytes
   # Neither copies a donated parameter or moment buffer (a select-based
   # skip made XLA copy every moment to keep the old values alive).
   for c in (c_fused, c_comp):
