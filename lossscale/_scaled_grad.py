@@ -156,6 +156,19 @@ def _positions(argnums: int | tuple[int, ...], n: int) -> tuple[int, ...]:
   return positions
 
 
+def _check_not_opaque_nnx(i: int, arg: Any) -> None:
+  """Refuses an NNX object that this Flax does not flatten (Flax 0.10): its
+  gradient would silently be None."""
+  if any(c.__module__.startswith("flax.nnx") for c in type(arg).__mro__):
+    raise TypeError(
+      f"`lossscale.value_and_grad` cannot differentiate argument {i}, a Flax"
+      f" NNX `{type(arg).__name__}`: this Flax release does not make NNX"
+      " objects pytrees (Flax 0.10 does not). Differentiate it with"
+      " `nnx.value_and_grad` and scale the loss with `lossscale.scale_loss`"
+      " (docs: Flax, NNX)."
+    )
+
+
 def value_and_grad(
   fun: Callable[..., Any],
   argnums: int | Sequence[int] = 0,
@@ -219,6 +232,8 @@ def value_and_grad(
     held = {}
     for i in positions:
       leaves, treedef = jax.tree.flatten(args[i])
+      if len(leaves) == 1 and leaves[0] is args[i]:
+        _check_not_opaque_nnx(i, args[i])
       keep = [_is_inexact_array(x) for x in leaves]
       if not all(keep):
         held[i] = (treedef, leaves, keep)

@@ -299,6 +299,16 @@ def test_nnx_optimizer_skips_and_exposes_the_scale():
   assert float(ls.scale_loss(jnp.float32(2.0), optimizer)) == 16.0
 
 
+def test_nnx_module_that_is_not_a_pytree_is_refused_clearly():
+  model = NnxNet(nnx.Rngs(0))
+  if jax.tree.leaves(model) != [model]:
+    pytest.skip("NNX modules are pytrees in this Flax: value_and_grad takes them")
+  # Flax 0.10: the module is one opaque leaf; its gradient would be None.
+  loss_fn = lambda m: jnp.sum(m.linear.kernel[...])
+  with pytest.raises(TypeError, match=r"argument 0, a Flax NNX `NnxNet`"):
+    ls.value_and_grad(loss_fn)(8.0, model)
+
+
 def test_import_without_flax_says_what_to_install():
   code = (
     "import sys\n"
