@@ -160,16 +160,17 @@ def test_create_without_loss_scaling_fails_clearly():
     TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1))
 
 
-def test_kwargs_that_change_structure_fail_clearly():
-  class S(TrainState):
-    extra: dict = struct.field(default_factory=dict)
+class ExtraState(TrainState):
+  extra: dict = struct.field(default_factory=dict)
 
-  state = S.create(
-    apply_fn=None,
-    params={"w": jnp.ones(2)},
-    tx=ls.skip_nonfinite(optax.sgd(0.1)),
-    extra={"a": jnp.zeros(1)},
-  )
+
+def _extra_state(extra, tx=None):
+  tx = ls.skip_nonfinite(optax.sgd(0.1)) if tx is None else tx
+  return ExtraState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx, extra=extra)
+
+
+def test_kwargs_that_change_structure_fail_clearly():
+  state = _extra_state({"a": jnp.zeros(1)})
   with pytest.raises(ValueError, match=r"apply_gradients\(extra=...\)"):
     state.apply_gradients(grads={"w": jnp.ones(2)}, extra={"b": jnp.zeros(1)})
 
@@ -185,32 +186,16 @@ def test_kwargs_that_change_structure_fail_clearly():
 def test_kwargs_that_change_shape_or_dtype_fail_clearly(new, match):
   # A skipped step must keep the old value: a select cannot, and must not
   # silently broadcast or promote the new one to the old's shape or dtype.
-  class S(TrainState):
-    extra: dict = struct.field(default_factory=dict)
-
-  state = S.create(
-    apply_fn=None,
-    params={"w": jnp.ones(2)},
-    tx=ls.skip_nonfinite(optax.sgd(0.1)),
-    extra={"a": jnp.zeros(1)},
-  )
-  for apply in (S.apply_gradients, jax.jit(S.apply_gradients)):
+  state = _extra_state({"a": jnp.zeros(1)})
+  for apply in (ExtraState.apply_gradients, jax.jit(ExtraState.apply_gradients)):
     with pytest.raises(ValueError, match=r"apply_gradients\(extra=...\).*" + match):
       apply(state, grads={"w": jnp.ones(2)}, extra={"a": new})
 
 
 def test_kwargs_take_the_new_value_bitwise_on_an_applied_step():
-  class S(TrainState):
-    extra: dict = struct.field(default_factory=dict)
-
   old = {"h": jnp.array([1.0, -2.0], jnp.bfloat16), "n": jnp.int32(3)}
   new = {"h": jnp.array([-0.0, 65504.0], jnp.bfloat16), "n": jnp.int32(-7)}
-  state = S.create(
-    apply_fn=None,
-    params={"w": jnp.ones(2)},
-    tx=ls.dynamic_loss_scale(optax.sgd(0.1)),
-    extra=old,
-  )
+  state = _extra_state(old, ls.dynamic_loss_scale(optax.sgd(0.1)))
   step = jax.jit(lambda s, g: s.apply_gradients(grads=g, extra=new))
   applied = step(state, {"w": jnp.ones(2)})
   assert_trees_equal(applied.extra, new)
