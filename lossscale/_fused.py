@@ -102,6 +102,19 @@ def _decide(tx, grads, opt_state, params, extra_args) -> Decision:
   return decisions[0]
 
 
+def _apply_updates(params: Any, updates: Any) -> Any:
+  """`optax.apply_updates`, except that a parameter whose update is `float0`
+  (what `jax.grad(..., allow_int=True)` gives an integer parameter, passed
+  through by `optax.masked`) is kept as it is."""
+
+  def leaf(p: Any, u: Any) -> Any:
+    if getattr(u, "dtype", None) == jax.dtypes.float0:
+      return p
+    return optax.apply_updates(p, u)
+
+  return jax.tree.map(leaf, params, updates, is_leaf=lambda x: x is None)
+
+
 def apply_gradients(
   tx: optax.GradientTransformation,
   grads: Any,
@@ -186,7 +199,7 @@ def apply_gradients(
     # dtype (optax.trace on bfloat16 params): both branches keep `opt_state`'s.
     new_state = _like(new_state, opt_state)
     with jax.numpy_dtype_promotion("standard"):
-      return optax.apply_updates(params, updates), new_state
+      return _apply_updates(params, updates), new_state
 
   def skipped():
     new_state = jax.tree.map(

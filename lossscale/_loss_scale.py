@@ -182,14 +182,24 @@ def _widen(tree: Any) -> Any:
 
 
 def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
-  """`grads * (1 / loss_scale)` in the wider of float32 and each leaf's dtype."""
-  inv = jnp.float32(1.0) / loss_scale
+  """`grads * (1 / loss_scale)` in the wider of float32 and each leaf's dtype.
+
+  Above 2**126 the float32 reciprocal is subnormal, which XLA flushes to
+  zero: there the gradients are first multiplied by 2**-64 (exact) and then
+  by `2**64 / loss_scale`, the same rounding as `1 / loss_scale`. Below it
+  the first factor is 1 and the result is `grads * (1 / loss_scale)` bit for
+  bit.
+  """
+  f32 = jnp.float32
+  big = loss_scale > f32(2.0**126)
+  pre = jnp.where(big, f32(2.0**-64), f32(1.0))
+  inv = jnp.where(big, f32(2.0**64), f32(1.0)) / loss_scale
 
   def leaf(g):
     if not is_inexact(g):
       return g
     dtype = _compute_dtype(g.dtype)
-    return g.astype(dtype) * inv.astype(dtype)
+    return g.astype(dtype) * pre.astype(dtype) * inv.astype(dtype)
 
   return jax.tree.map(leaf, grads)
 
@@ -322,6 +332,11 @@ def _wrap(
 
     if isinstance(given, Decision):
       updates = given.incoming
+    # Python float leaves: arrays, as `jax.jit` would make them, so that a
+    # step is unscaled and checked the same eagerly and under `jit`.
+    updates = jax.tree.map(
+      lambda x: jnp.asarray(x) if isinstance(x, (float, complex)) else x, updates
+    )
     _check_matches_params(fn, updates, params)
 
     def unscaled():

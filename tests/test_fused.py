@@ -593,3 +593,28 @@ def test_cross_shard_mean_in_tx_is_reduced_once(axis_name):
   assert fused == composed
   if _compat.HAS_SHARD_MAP:  # newer XLA combines the per-leaf means into one
     assert composed[0] == 1 + (axis_name is not None)
+
+
+def test_integer_parameters_with_float0_gradients_are_kept():
+  # `jax.grad(..., allow_int=True)` gives float0 gradients for integer
+  # parameters; `optax.masked` passes them through; the step keeps the
+  # parameter (optax.apply_updates cannot add a float0).
+  params = {"w": jnp.ones(2), "i": jnp.int32(3)}
+  inner = optax.masked(optax.sgd(0.5), {"w": True, "i": False})
+  tx = ls.dynamic_loss_scale(inner, initial_scale=4.0)
+  state = tx.init(params)
+
+  def loss(p):
+    return ls.scale_loss(jnp.sum(p["w"] ** 2) * p["i"].astype(jnp.float32), state)
+
+  grads = jax.grad(loss, allow_int=True)(params)
+  assert grads["i"].dtype == jax.dtypes.float0
+  step = jax.jit(ls.apply_gradients, static_argnums=0)
+  for apply in (ls.apply_gradients, step):
+    new_params, new_state = apply(tx, grads, state, params)
+    assert_trees_equal(new_params["i"], params["i"])
+    np.testing.assert_allclose(new_params["w"], 1.0 - 0.5 * 6.0)
+    bad = dict(grads, w=grads["w"].at[0].set(INF))
+    skipped_params, new_state = apply(tx, bad, state, params)
+    assert_trees_equal(skipped_params, params)
+    assert int(new_state.skipped_steps) == 1

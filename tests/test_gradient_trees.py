@@ -261,3 +261,37 @@ def test_complex_gradients(dtype):
       updates, state = update({"z": jnp.asarray([bad, 1.0], dtype)}, state, params)
       np.testing.assert_array_equal(updates["z"], [0.0, 0.0])
     assert int(state.skipped_steps) == 3
+
+
+@pytest.mark.parametrize(
+  "scale", [2.0**126, 2.0**127, 3e38, float(np.finfo(np.float32).max)]
+)
+def test_scales_above_2_126_unscale_exactly(scale):
+  # 1 / scale is subnormal above 2**126, and XLA flushes it to zero: the
+  # updates must still be the unscaled gradients, not zeros.
+  tx = ls.static_loss_scale(optax.sgd(1.0), scale)
+  params = {"w": jnp.zeros(3)}
+  true = np.array([1.0, -0.5, 0.25], np.float32)
+  grads = {"w": jnp.asarray(true * np.float32(scale))}
+  for update in (tx.update, jax.jit(tx.update)):
+    updates, state = update(grads, tx.init(params), params)
+    assert bool(state.last_finite)
+    np.testing.assert_array_equal(updates["w"], -true)
+
+
+def test_python_float_leaves_are_unscaled_eagerly_as_under_jit():
+  # `jax.jit` turns a Python float leaf into an array; eagerly it must be
+  # unscaled and checked just the same.
+  tx = ls.dynamic_loss_scale(optax.sgd(1.0), initial_scale=8.0)
+  params = {"w": jnp.ones(2), "b": jnp.float32(1.0)}
+  state = tx.init(params)
+  grads = {"w": jnp.full(2, 8.0), "b": 8.0}
+  for update in (tx.update, jax.jit(tx.update)):
+    updates, new_state = update(grads, state, params)
+    np.testing.assert_array_equal(updates["b"], -1.0)
+    assert bool(new_state.last_finite)
+    updates, new_state = update(dict(grads, b=NAN), state, params)
+    assert int(new_state.skipped_steps) == 1
+  for step in (ls.apply_gradients, jax.jit(ls.apply_gradients, static_argnums=0)):
+    new_params, _ = step(tx, grads, state, params)
+    np.testing.assert_array_equal(new_params["b"], 0.0)
