@@ -156,17 +156,9 @@ def _positions(argnums: int | tuple[int, ...], n: int) -> tuple[int, ...]:
   return positions
 
 
-def _check_not_opaque_nnx(i: int, arg: Any) -> None:
-  """Refuses an NNX object that this Flax does not flatten (Flax 0.10): its
-  gradient would silently be None."""
-  if any(c.__module__.startswith("flax.nnx") for c in type(arg).__mro__):
-    raise TypeError(
-      f"`lossscale.value_and_grad` cannot differentiate argument {i}, a Flax"
-      f" NNX `{type(arg).__name__}`: this Flax release does not make NNX"
-      " objects pytrees (Flax 0.10 does not). Differentiate it with"
-      " `nnx.value_and_grad` and scale the loss with `lossscale.scale_loss`"
-      " (docs: Flax, NNX)."
-    )
+def _is_nnx(x: Any) -> bool:
+  """A Flax NNX object (module, optimizer, variable), without importing Flax."""
+  return any(c.__module__.startswith("flax.nnx") for c in type(x).__mro__)
 
 
 def value_and_grad(
@@ -189,7 +181,10 @@ def value_and_grad(
   every other leaf (integer or bool arrays, functions, Python numbers) gets
   `None`, as `equinox.filter_value_and_grad` does. So a Python `float` gets
   `None`; pass `jnp.asarray(x)` to differentiate it. When every leaf is a
-  floating array, the result is exactly that of `jax.value_and_grad`.
+  floating array, the result is exactly that of `jax.value_and_grad`. A Flax
+  NNX module is differentiated by `nnx.value_and_grad` (its `nnx.Param`
+  variables, with the updates the loss makes to its other state, such as
+  BatchNorm statistics, carried out as NNX does).
 
   Args:
     fun: the loss function; returns a real scalar loss, or `(loss, aux)` when
@@ -226,29 +221,9 @@ def value_and_grad(
   def wrapped(scale_source, *args, **kwargs):
     scale = _scale_of(scale_source)
     positions = _positions(argnums, len(args))
-    args = list(args)
-    # Arguments with leaves that cannot be differentiated: jax differentiates
-    # a copy holding None there; `scaled` puts the original leaves back.
-    held = {}
-    for i in positions:
-      leaves, treedef = jax.tree.flatten(args[i])
-      if len(leaves) == 1 and leaves[0] is args[i]:
-        _check_not_opaque_nnx(i, args[i])
-      keep = [_is_inexact_array(x) for x in leaves]
-      if not all(keep):
-        held[i] = (treedef, leaves, keep)
-        args[i] = treedef.unflatten(
-          [x if k else None for x, k in zip(leaves, keep, strict=True)]
-        )
+    diff_argnums = positions[0] if isinstance(argnums, int) else tuple(positions)
 
-    def scaled(*diff_args, **kwargs):
-      full = list(diff_args)
-      for i, (treedef, leaves, keep) in held.items():
-        diff = treedef.flatten_up_to(full[i])
-        full[i] = treedef.unflatten(
-          [d if k else x for d, x, k in zip(diff, leaves, keep, strict=True)]
-        )
-      out = fun(*full, **kwargs)
+    def scaled_loss(out):
       if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
         if hasattr(out, "shape") and hasattr(out, "dtype"):  # maybe a tracer
           got = f"a {out.dtype}{list(out.shape)} array"
@@ -269,8 +244,42 @@ def value_and_grad(
         )
       return scale_loss(loss, scale), (loss, aux)
 
-    jax_argnums = positions[0] if isinstance(argnums, int) else positions
-    grad_fn = jax.value_and_grad(scaled, argnums=jax_argnums, has_aux=True)
+    if any(_is_nnx(args[i]) for i in positions):
+      # NNX modules hold state the loss may update (BatchNorm statistics,
+      # Dropout's RNG counts): NNX's own transformation carries those updates
+      # out, and differentiates the `nnx.Param` variables, as
+      # `nnx.Optimizer(..., wrt=nnx.Param)` expects.
+      from flax import nnx
+
+      grad_fn = nnx.value_and_grad(
+        lambda *a, **k: scaled_loss(fun(*a, **k)), argnums=diff_argnums, has_aux=True
+      )
+      (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+      return ((loss, aux), grads) if has_aux else (loss, grads)
+
+    args = list(args)
+    # Arguments with leaves that cannot be differentiated: jax differentiates
+    # a copy holding None there; `scaled` puts the original leaves back.
+    held = {}
+    for i in positions:
+      leaves, treedef = jax.tree.flatten(args[i])
+      keep = [_is_inexact_array(x) for x in leaves]
+      if not all(keep):
+        held[i] = (treedef, leaves, keep)
+        args[i] = treedef.unflatten(
+          [x if k else None for x, k in zip(leaves, keep, strict=True)]
+        )
+
+    def scaled(*diff_args, **kwargs):
+      full = list(diff_args)
+      for i, (treedef, leaves, keep) in held.items():
+        diff = treedef.flatten_up_to(full[i])
+        full[i] = treedef.unflatten(
+          [d if k else x for d, x, k in zip(diff, leaves, keep, strict=True)]
+        )
+      return scaled_loss(fun(*full, **kwargs))
+
+    grad_fn = jax.value_and_grad(scaled, argnums=diff_argnums, has_aux=True)
     (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
     return ((loss, aux), grads) if has_aux else (loss, grads)
 

@@ -249,16 +249,7 @@ def test_nnx_optimizer_skips_and_exposes_the_scale():
   @nnx.jit
   def train_step(model, optimizer, x, y):
     loss_fn = lambda m: jnp.mean((m(x) - y) ** 2)
-    if jax.tree.leaves(model) != [model]:
-      loss, grads = ls.value_and_grad(loss_fn)(optimizer, model)
-    else:  # Flax < 0.11: nnx modules are not pytrees; nnx's own transform
-      scale = ls.get_loss_scale(optimizer)
-
-      def scaled(m):
-        loss = loss_fn(m)
-        return ls.scale_loss(loss, scale), loss
-
-      (_, loss), grads = nnx.value_and_grad(scaled, has_aux=True)(model)
+    loss, grads = ls.value_and_grad(loss_fn)(optimizer, model)
     _compat.nnx_optimizer_update(optimizer, model, grads)
     return loss
 
@@ -284,14 +275,50 @@ def test_nnx_optimizer_skips_and_exposes_the_scale():
   assert float(ls.scale_loss(jnp.float32(2.0), optimizer)) == 16.0
 
 
-def test_nnx_module_that_is_not_a_pytree_is_refused_clearly():
-  model = NnxNet(nnx.Rngs(0))
-  if jax.tree.leaves(model) != [model]:
-    pytest.skip("NNX modules are pytrees in this Flax: value_and_grad takes them")
-  # Flax 0.10: the module is one opaque leaf; its gradient would be None.
-  loss_fn = lambda m: jnp.sum(m.linear.kernel[...])
-  with pytest.raises(TypeError, match=r"argument 0, a Flax NNX `NnxNet`"):
-    ls.value_and_grad(loss_fn)(8.0, model)
+class NnxStatefulNet(nnx.Module):
+  """BatchNorm statistics and Dropout RNG counts change in the forward pass."""
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(4, 3, rngs=rngs)
+    self.bn = nnx.BatchNorm(3, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+  def __call__(self, x):
+    return self.drop(self.bn(self.linear(x)))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
+def test_value_and_grad_of_an_nnx_module_is_nnx_value_and_grad(jit):
+  # Reference: NNX's own transformation on the loss scaled by hand, from an
+  # identical model. The loss's updates to the model's other state (BatchNorm
+  # statistics, Dropout's RNG count) must be carried out the same way.
+  x = jax.random.normal(jax.random.key(1), (8, 4))
+  loss_fn = lambda m: jnp.mean(m(x) ** 2)
+  scale = 8.0
+
+  def ours(model):
+    return ls.value_and_grad(loss_fn)(scale, model)
+
+  def reference(model):
+    def scaled(m):
+      loss = loss_fn(m)
+      return ls.scale_loss(loss, scale), loss
+
+    (_, loss), grads = nnx.value_and_grad(scaled, has_aux=True)(model)
+    return loss, grads
+
+  got_model, ref_model = NnxStatefulNet(nnx.Rngs(0)), NnxStatefulNet(nnx.Rngs(0))
+  if jit:
+    ours, reference = nnx.jit(ours), nnx.jit(reference)
+  for _ in range(2):
+    loss, grads = ours(got_model)
+    ref_loss, ref_grads = reference(ref_model)
+    assert_trees_equal(loss, ref_loss)
+    assert_trees_equal(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))
+  assert_trees_equal(
+    jax.tree.leaves(nnx.state(got_model)), jax.tree.leaves(nnx.state(ref_model))
+  )
+  assert np.abs(np.asarray(got_model.bn.mean[...])).max() > 0  # it was updated
 
 
 def test_import_without_flax_says_what_to_install():
