@@ -86,13 +86,10 @@ def _newest_only():
   ones (the suite also runs on the oldest supported stack)."""
   import inspect
 
-  import optax
 
   needs = {}
   if not hasattr(jax, "shard_map"):
     needs["data-parallel.md"] = f"shows jax.shard_map (jax {jax.__version__})"
-  if not hasattr(optax, "tree"):
-    needs["checkpointing.md"] = f"shows optax.tree (optax {optax.__version__})"
   try:
     from flax import nnx
   except ImportError:
