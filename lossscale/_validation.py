@@ -10,26 +10,42 @@ import math
 import numbers
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 _INT32_MAX = 2**31 - 1
 _F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)  # 2**-126
 
 
+def _check_not_traced(fn: str, name: str, value: Any) -> None:
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+      f"`{fn}({name}=...)` must be a concrete number, got a traced value: the"
+      " settings are fixed when the wrapper is built. Under"
+      " `optax.inject_hyperparams`, inject the inner optimizer's"
+      " hyperparameters instead (`inject_hyperparams(optax.adam)(...)` as"
+      " `inner`)."
+    )
+
+
+def _is_real_dtype(dtype: Any) -> bool:
+  """Integer or floating, bfloat16 and the other ml_dtypes floats included."""
+  return bool(
+    jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+  ) and not jnp.issubdtype(dtype, jnp.bool_)
+
+
 def _concrete_number(fn: str, name: str, value: Any) -> float:
   """Accepts Python, NumPy and concrete JAX real scalars (not bools)."""
   if isinstance(value, numbers.Real) and not isinstance(value, bool):
     return float(value)
+  _check_not_traced(fn, name, value)
   dtype = getattr(value, "dtype", None)
   if (
-    dtype is not None
-    and getattr(value, "shape", None) == ()
-    and (np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating))
+    dtype is not None and getattr(value, "shape", None) == () and _is_real_dtype(dtype)
   ):
-    try:
-      return float(value)
-    except Exception:  # a tracer: configuration must be concrete
-      pass
+    return float(value)
   raise ValueError(f"`{fn}({name}=...)` must be a real number, got {value!r} instead.")
 
 
@@ -66,16 +82,14 @@ def positive_int(fn: str, name: str, value: Any) -> int:
   if isinstance(value, numbers.Integral) and not isinstance(value, bool):
     v = int(value)
   else:
+    _check_not_traced(fn, name, value)
     dtype = getattr(value, "dtype", None)
     if (
       dtype is not None
       and getattr(value, "shape", None) == ()
       and np.issubdtype(dtype, np.integer)
     ):
-      try:
-        v = int(value)
-      except Exception:  # a tracer: configuration must be concrete
-        v = None
+      v = int(value)
   if v is None:
     raise ValueError(f"`{fn}({name}=...)` must be a positive int, got {value!r}.")
   if not 1 <= v <= _INT32_MAX:

@@ -86,7 +86,6 @@ def _newest_only():
   ones (the suite also runs on the oldest supported stack)."""
   import inspect
 
-
   needs = {}
   if not hasattr(jax, "shard_map"):
     needs["data-parallel.md"] = f"shows jax.shard_map (jax {jax.__version__})"

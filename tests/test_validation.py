@@ -83,8 +83,34 @@ def test_numpy_and_jax_scalars_are_accepted():
     initial_scale=np.float32(4.0),
     growth_interval=np.int64(3),
     max_scale=jnp.float32(8.0),
+    min_scale=jnp.bfloat16(2.0),  # ml_dtypes floats are real numbers too
   )
   assert float(tx.init(jnp.ones(1)).loss_scale) == 4.0
+  assert (
+    float(ls.static_loss_scale(optax.sgd(0.1), np.float16(8.0)).init(0.0).loss_scale)
+    == 8.0
+  )
+
+
+@pytest.mark.parametrize("value", [jnp.array(True), np.bool_(False), jnp.ones(2)])
+def test_bool_and_array_settings_are_rejected(value):
+  with pytest.raises(ValueError, match=r"initial_scale=\.\.\.\)` must be a real"):
+    ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=value)
+
+
+def test_traced_settings_say_what_to_inject_instead():
+  # optax.inject_hyperparams around a wrapper traces its numeric settings
+  # under jit: the settings are fixed at construction, and the error says so.
+  tx = optax.inject_hyperparams(ls.dynamic_loss_scale, static_args=("inner",))(
+    optax.sgd(0.1), initial_scale=4.0
+  )
+  params = {"w": jnp.ones(3)}
+  with pytest.raises(
+    ValueError, match=r"must be a concrete number.*inject_hyperparams"
+  ):
+    jax.jit(tx.update)(params, tx.init(params), params)
+  with pytest.raises(ValueError, match=r"growth_interval=\.\.\.\)` must be a concrete"):
+    jax.jit(lambda n: ls.dynamic_loss_scale(optax.sgd(0.1), growth_interval=n))(3)
 
 
 def test_jax_integer_scalars_are_accepted_for_integer_settings():
