@@ -7,9 +7,11 @@ the package uses spellings that exist at both ends (`jax.tree_util.*`,
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -30,3 +32,26 @@ def varying_axes(x: Any) -> frozenset:
 def cast_to_varying(x: Any, axes: tuple) -> Any:
   """Marks `x` as varying over `axes` too (free: no communication)."""
   return jax.lax.pcast(x, axes, to="varying")
+
+
+@functools.cache
+def _barrier_batches() -> bool:
+  """Whether this JAX can `vmap` an optimization barrier (jax 0.4.35 cannot)."""
+  try:
+    spec = jax.ShapeDtypeStruct((2,), jnp.float32)
+    jax.eval_shape(jax.vmap(jax.lax.optimization_barrier), spec)
+  except Exception:
+    return False
+  return True
+
+
+def hide_from_constant_folding(x: Any) -> Any:
+  """`x`, behind an optimization barrier where JAX can batch one.
+
+  XLA folds and reassociates products of constants: with a loss scale known
+  at compile time it would merge two exact factors into one subnormal that
+  the CPU flushes to zero. The barrier keeps the factors apart. A JAX that
+  cannot batch the barrier (jax 0.4.35, where `lax.cond` under `vmap`
+  batches every operand of its branches) gets `x` as it is.
+  """
+  return jax.lax.optimization_barrier(x) if _barrier_batches() else x

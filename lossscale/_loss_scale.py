@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale import _axes, _validation
+from lossscale import _axes, _compat, _validation
 from lossscale._finite import all_finite, is_inexact
 
 DECISION = "lossscale_finite"
@@ -194,6 +194,9 @@ def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
   big = loss_scale > f32(2.0**126)
   pre = jnp.where(big, f32(2.0**-64), f32(1.0))
   inv = jnp.where(big, f32(2.0**64), f32(1.0)) / loss_scale
+  # A constant scale (state closed over by `jit`) must not let XLA merge the
+  # two factors back into a subnormal one (still possible on jax 0.4.35).
+  pre, inv = _compat.hide_from_constant_folding((pre, inv))
 
   def leaf(g):
     if not is_inexact(g):
@@ -302,9 +305,10 @@ def _wrap(
       for x in jax.tree.leaves(inner_state, is_leaf=_is_state)
     ):
       raise ValueError(
-        f"`{fn}(inner=...)` already holds a loss-scaling wrapper: the"
-        " gradients would be unscaled twice and `scale_loss` could not tell"
-        " which scale to use. Wrap the optimizer once."
+        f"`{fn}(inner=...)` already holds a loss-scaling wrapper: two"
+        " `LossScaleState`s would check (and scale) the same gradients, and"
+        " `scale_loss` could not tell which scale to use. Wrap the optimizer"
+        " once."
       )
     return LossScaleState(**_init_counters(rule), inner_state=inner_state)
 

@@ -244,24 +244,18 @@ def value_and_grad(
         )
       return scale_loss(loss, scale), (loss, aux)
 
-    if any(_is_nnx(args[i]) for i in positions):
-      # NNX modules hold state the loss may update (BatchNorm statistics,
-      # Dropout's RNG counts): NNX's own transformation carries those updates
-      # out, and differentiates the `nnx.Param` variables, as
-      # `nnx.Optimizer(..., wrt=nnx.Param)` expects.
-      from flax import nnx
-
-      grad_fn = nnx.value_and_grad(
-        lambda *a, **k: scaled_loss(fun(*a, **k)), argnums=diff_argnums, has_aux=True
-      )
-      (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-      return ((loss, aux), grads) if has_aux else (loss, grads)
-
+    # Flax NNX modules hold state the loss may update (BatchNorm statistics,
+    # Dropout's RNG counts): NNX's own transformation carries those updates
+    # out, and differentiates their `nnx.Param` variables, as
+    # `nnx.Optimizer(..., wrt=nnx.Param)` expects.
+    with_nnx = [any(map(_is_nnx, jax.tree.leaves(a, is_leaf=_is_nnx))) for a in args]
     args = list(args)
     # Arguments with leaves that cannot be differentiated: jax differentiates
     # a copy holding None there; `scaled` puts the original leaves back.
     held = {}
     for i in positions:
+      if with_nnx[i]:
+        continue  # NNX decides, by its own rules
       leaves, treedef = jax.tree.flatten(args[i])
       keep = [_is_inexact_array(x) for x in leaves]
       if not all(keep):
@@ -270,7 +264,7 @@ def value_and_grad(
           [x if k else None for x, k in zip(leaves, keep, strict=True)]
         )
 
-    def scaled(*diff_args, **kwargs):
+    def scaled(*diff_args):
       full = list(diff_args)
       for i, (treedef, leaves, keep) in held.items():
         diff = treedef.flatten_up_to(full[i])
@@ -279,8 +273,14 @@ def value_and_grad(
         )
       return scaled_loss(fun(*full, **kwargs))
 
-    grad_fn = jax.value_and_grad(scaled, argnums=diff_argnums, has_aux=True)
-    (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+    if any(with_nnx):
+      from flax import nnx
+
+      transform = nnx.value_and_grad
+    else:
+      transform = jax.value_and_grad
+    grad_fn = transform(scaled, argnums=diff_argnums, has_aux=True)
+    (_, (loss, aux)), grads = grad_fn(*args)
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
   return wrapped

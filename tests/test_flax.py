@@ -321,6 +321,45 @@ def test_value_and_grad_of_an_nnx_module_is_nnx_value_and_grad(jit):
   assert np.abs(np.asarray(got_model.bn.mean[...])).max() > 0  # it was updated
 
 
+def test_value_and_grad_with_nnx_modules_anywhere_and_other_arguments():
+  x = jax.random.normal(jax.random.key(1), (8, 4))
+
+  def loss_fn(models, extra, *, gain):
+    first, second = models
+    out = jnp.mean(first(x) ** 2) + jnp.mean(second(x) ** 2)
+    return out * extra["a"] * gain + extra["n"].astype(jnp.float32)
+
+  def fresh():
+    return (NnxStatefulNet(nnx.Rngs(0)), NnxStatefulNet(nnx.Rngs(1)))
+
+  extra = {"a": jnp.float32(1.5), "n": jnp.int32(3), "f": 2.0}
+  models = fresh()
+  loss, (g_models, g_extra) = ls.value_and_grad(loss_fn, argnums=(0, 1))(
+    4.0, models, extra, gain=2.0
+  )
+  # Modules inside a tuple go to NNX too: their BatchNorm statistics move.
+  assert all(np.abs(np.asarray(m.bn.mean[...])).max() > 0 for m in models)
+  # The plain argument keeps the documented rule: non-arrays get None.
+  assert g_extra["n"] is None and g_extra["f"] is None
+  # Reference: NNX's transformation on the loss scaled by hand, the extra
+  # argument's array leaf alone differentiated.
+  ref_models = fresh()
+
+  def scaled(ms, a):
+    loss = loss_fn(ms, {**extra, "a": a}, gain=2.0)
+    return ls.scale_loss(loss, 4.0), loss
+
+  (_, ref_loss), (ref_g_models, ref_g_a) = nnx.value_and_grad(
+    scaled, argnums=(0, 1), has_aux=True
+  )(ref_models, extra["a"])
+  assert_trees_equal(loss, ref_loss)
+  assert_trees_equal(jax.tree.leaves(g_models), jax.tree.leaves(ref_g_models))
+  assert_trees_equal(g_extra["a"], ref_g_a)
+  assert_trees_equal(
+    jax.tree.leaves(nnx.state(models)), jax.tree.leaves(nnx.state(ref_models))
+  )
+
+
 def test_import_without_flax_says_what_to_install():
   code = (
     "import sys\n"
