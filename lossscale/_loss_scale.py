@@ -197,12 +197,33 @@ def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
   # A constant scale (state closed over by `jit`) must not let XLA merge the
   # two factors back into a subnormal one (still possible on jax 0.4.35).
   pre, inv = _compat.hide_from_constant_folding((pre, inv))
+  return _scale_leaves(grads, pre, inv)
+
+
+def _unscaled_for_check(grads: Any, loss_scale: jax.Array) -> Any:
+  """What `_unscale` gives, as far as finiteness goes, in one multiply.
+
+  Above 2**126 dividing by the scale cannot overflow, so the gradients are
+  finite exactly when they are: they are checked as they are. One multiply
+  per element keeps the check's fusion as lean as the bare finite check.
+  """
+  f32 = jnp.float32
+  inv = jnp.where(loss_scale > f32(2.0**126), f32(1.0), f32(1.0) / loss_scale)
+  return _scale_leaves(grads, inv)
+
+
+def _scale_leaves(grads: Any, *factors: jax.Array) -> Any:
+  """Multiplies each inexact leaf by `factors` in turn, in the wider of
+  float32 and its dtype; other leaves pass through."""
 
   def leaf(g):
     if not is_inexact(g):
       return g
     dtype = _compute_dtype(g.dtype)
-    return g.astype(dtype) * pre.astype(dtype) * inv.astype(dtype)
+    g = g.astype(dtype)
+    for factor in factors:
+      g = g * factor.astype(dtype)
+    return g
 
   return jax.tree.map(leaf, grads)
 
@@ -344,13 +365,18 @@ def _wrap(
     _check_matches_params(fn, updates, params)
 
     def unscaled():
-      # Computed where it is used, not once and shared: in the decision XLA
-      # fuses it into the finite check's reduction, and in `apply` into the
-      # inner optimizer, so no param-sized unscaled copy is ever written
-      # (sharing it made `lax.cond` take it as a materialized operand).
+      # Computed in `apply`, not shared with the decision: XLA fuses it into
+      # the inner optimizer, and the check into its reduction, so no
+      # param-sized unscaled copy is ever written (sharing one made `lax.cond`
+      # take it as a materialized operand).
       return _unscale(updates, state.loss_scale) if rule.scaled else updates
 
-    finite = given.finite if isinstance(given, Decision) else decide(unscaled())
+    if isinstance(given, Decision):
+      finite = given.finite
+    else:
+      finite = decide(
+        _unscaled_for_check(updates, state.loss_scale) if rule.scaled else updates
+      )
 
     # Half-precision gradients are unscaled in float32; the inner optimizer
     # then runs in float32 throughout (its state and the params widened too:
