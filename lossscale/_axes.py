@@ -19,12 +19,10 @@ def validate_axis_name(fn: str, axis_name: Any) -> AxisName | None:
     return None
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
-  def bad(n: Any) -> bool:
-    return (
-      n is None or n == ""
-      if isinstance(n, str) or n is None
-      else (isinstance(n, (list, dict, set, bool)))
-    )
+  def bad(n: Any) -> bool:  # None, "", or a mutable or boolean "name"
+    if n is None or isinstance(n, str):
+      return not n
+    return isinstance(n, (list, dict, set, bool))
 
   if not names or any(bad(n) for n in names):
     raise ValueError(

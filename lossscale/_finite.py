@@ -16,6 +16,14 @@ def is_inexact(x: Any) -> bool:
   return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
+def numbers_as_arrays(tree: Any) -> Any:
+  """`tree` with Python float and complex leaves as arrays, as `jax.jit`
+  would pass them, so that they are unscaled and checked like arrays."""
+  return jax.tree_util.tree_map(
+    lambda x: jnp.asarray(x) if isinstance(x, (float, complex)) else x, tree
+  )
+
+
 def all_finite(tree: Any) -> jax.Array:
   """Returns a scalar bool array: whether every element of `tree` is finite.
 
@@ -41,10 +49,7 @@ def all_finite(tree: Any) -> jax.Array:
     >>> ls.all_finite({})
     Array(True, dtype=bool)
   """
-  leaves = [
-    jnp.asarray(x) if isinstance(x, (float, complex)) else x
-    for x in jax.tree_util.tree_leaves(tree)
-  ]
+  leaves = jax.tree_util.tree_leaves(numbers_as_arrays(tree))
   leaves = [x for x in leaves if is_inexact(x)]
   if not leaves:
     return jnp.array(True)

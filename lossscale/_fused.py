@@ -23,9 +23,8 @@ import jax
 import optax
 
 from lossscale import _axes
-from lossscale._loss_scale import DECISION, Decision, LossScaleState, _like
+from lossscale._loss_scale import DECISION, Decision, _is_state, _like, states_in
 
-_is_state = lambda x: isinstance(x, LossScaleState)
 _is_decision = lambda x: isinstance(x, Decision)
 
 
@@ -72,16 +71,13 @@ def _no_decision_error() -> ValueError:
 
 
 def _decide(tx, grads, opt_state, params, extra_args) -> Decision:
-  states = jax.tree_util.tree_leaves(opt_state, is_leaf=_is_state)
-  n_states = sum(map(_is_state, states))
+  n_states = len(states_in(opt_state))
   if n_states != 1:
     raise _count_error("none" if not n_states else str(n_states))
   for node in jax.tree_util.tree_leaves(
     opt_state, is_leaf=lambda x: isinstance(x, _control_flow_containers())
   ):
-    if isinstance(node, _control_flow_containers()) and any(
-      map(_is_state, jax.tree_util.tree_leaves(node, is_leaf=_is_state))
-    ):
+    if isinstance(node, _control_flow_containers()) and states_in(node):
       raise _control_flow_error(f"optax's {type(node).__name__[:-5]}")
   try:
     _, decided = tx.update(grads, opt_state, params, **extra_args, **{DECISION: None})

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import optax
 
 from lossscale import _axes, _compat, _validation
-from lossscale._finite import all_finite, is_inexact
+from lossscale._finite import all_finite, is_inexact, numbers_as_arrays
 
 DECISION = "lossscale_finite"
 """The keyword argument of a wrapper's `update` that carries a decision."""
@@ -181,6 +181,10 @@ def _widen(tree: Any) -> Any:
   )
 
 
+# The largest scale whose float32 reciprocal is normal (2**-126).
+_LARGEST_NORMAL_RECIPROCAL = 2.0**126
+
+
 def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
   """`grads * (1 / loss_scale)` in the wider of float32 and each leaf's dtype.
 
@@ -191,7 +195,7 @@ def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
   bit.
   """
   f32 = jnp.float32
-  big = loss_scale > f32(2.0**126)
+  big = loss_scale > f32(_LARGEST_NORMAL_RECIPROCAL)
   pre = jnp.where(big, f32(2.0**-64), f32(1.0))
   inv = jnp.where(big, f32(2.0**64), f32(1.0)) / loss_scale
   # A constant scale (state closed over by `jit`) must not let XLA merge the
@@ -208,7 +212,8 @@ def _unscaled_for_check(grads: Any, loss_scale: jax.Array) -> Any:
   per element keeps the check's fusion as lean as the bare finite check.
   """
   f32 = jnp.float32
-  inv = jnp.where(loss_scale > f32(2.0**126), f32(1.0), f32(1.0) / loss_scale)
+  big = loss_scale > f32(_LARGEST_NORMAL_RECIPROCAL)
+  inv = jnp.where(big, f32(1.0), f32(1.0) / loss_scale)
   return _scale_leaves(grads, inv)
 
 
@@ -305,6 +310,11 @@ def _is_state(x: Any) -> bool:
   return isinstance(x, LossScaleState)
 
 
+def states_in(tree: Any) -> list[LossScaleState]:
+  """Every `LossScaleState` in `tree`, nested anywhere, in leaf order."""
+  return [x for x in jax.tree.leaves(tree, is_leaf=_is_state) if _is_state(x)]
+
+
 def _zeros(shapes: Any) -> Any:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
@@ -321,10 +331,7 @@ def _wrap(
 
   def init_fn(params):
     inner_state = inner.init(params)
-    if any(
-      isinstance(x, LossScaleState)
-      for x in jax.tree.leaves(inner_state, is_leaf=_is_state)
-    ):
+    if states_in(inner_state):
       raise ValueError(
         f"`{fn}(inner=...)` already holds a loss-scaling wrapper: two"
         " `LossScaleState`s would check (and scale) the same gradients, and"
@@ -359,9 +366,7 @@ def _wrap(
       updates = given.incoming
     # Python float leaves: arrays, as `jax.jit` would make them, so that a
     # step is unscaled and checked the same eagerly and under `jit`.
-    updates = jax.tree.map(
-      lambda x: jnp.asarray(x) if isinstance(x, (float, complex)) else x, updates
-    )
+    updates = numbers_as_arrays(updates)
     _check_matches_params(fn, updates, params)
 
     def unscaled():

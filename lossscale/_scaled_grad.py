@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale._loss_scale import LossScaleState
+from lossscale._loss_scale import LossScaleState, states_in
 
 
 def _unwrap(x: Any) -> Any:
@@ -27,11 +27,7 @@ def find_state(x: Any) -> LossScaleState:
   a Flax `TrainState` or an `nnx.Optimizer` (anything with an `opt_state`).
   """
   tree = getattr(x, "opt_state", x)
-  found = [
-    n
-    for n in jax.tree.leaves(tree, is_leaf=lambda n: isinstance(n, LossScaleState))
-    if isinstance(n, LossScaleState)
-  ]
+  found = states_in(tree)
   if len(found) != 1:
     what = "none" if not found else f"{len(found)}"
     raise ValueError(

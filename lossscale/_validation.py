@@ -31,9 +31,7 @@ def _check_not_traced(fn: str, name: str, value: Any) -> None:
 
 def _is_real_dtype(dtype: Any) -> bool:
   """Integer or floating, bfloat16 and the other ml_dtypes floats included."""
-  return bool(
-    jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-  ) and not jnp.issubdtype(dtype, jnp.bool_)
+  return bool(jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating))
 
 
 def _concrete_number(fn: str, name: str, value: Any) -> float:
