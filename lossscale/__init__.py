@@ -18,6 +18,7 @@ from lossscale._precision import float16_range_report as float16_range_report
 from lossscale._precision import with_compute_dtype as with_compute_dtype
 from lossscale._scaled_grad import get_loss_scale as get_loss_scale
 from lossscale._scaled_grad import scale_loss as scale_loss
+from lossscale._scaled_grad import set_loss_scale as set_loss_scale
 from lossscale._scaled_grad import value_and_grad as value_and_grad
 
 try:
@@ -39,6 +40,7 @@ __all__ = [
   "get_loss_scale",
   "nonfinite_leaves",
   "scale_loss",
+  "set_loss_scale",
   "skip_nonfinite",
   "static_loss_scale",
   "value_and_grad",

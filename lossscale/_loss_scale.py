@@ -60,8 +60,8 @@ class LossScaleState(NamedTuple):
       ([`lossscale.scale_loss`][]).
     good_steps: int32, consecutive finite steps since the scale last changed
       or the last skipped step.
-    hysteresis_left: int32, non-finite steps still tolerated before the scale
-      backs off.
+    hysteresis_left: int32, overflows left until the scale backs off: the
+      next non-finite step backs it off when this is 1 (or 0).
     skipped_steps: int32, total number of skipped steps.
     consecutive_skips: int32, skipped steps since the last applied one (see
       [`lossscale.check_not_stalled`][]).
@@ -129,7 +129,23 @@ def _init_counters(rule: _Rule) -> dict[str, jax.Array]:
 def _next_counters(
   rule: _Rule, state: LossScaleState, finite: jax.Array
 ) -> dict[str, jax.Array]:
-  """The scale-adjustment rule, written out once in docs/how-it-works.md."""
+  """The scale-adjustment rule, written out once in docs/how-it-works.md.
+
+  Whatever scale the state arrived with (one restored from a run with
+  another configuration, say), the scale it leaves is one this wrapper's
+  configuration allows: its fixed scale, or one within `[min_scale,
+  max_scale]`.
+  """
+  f32 = jnp.float32
+  if not rule.enabled:  # exactly `inner`: only the scale is set, to 1
+    return dict(
+      loss_scale=jnp.ones([], f32),
+      good_steps=state.good_steps,
+      hysteresis_left=state.hysteresis_left,
+      skipped_steps=state.skipped_steps,
+      consecutive_skips=state.consecutive_skips,
+      last_finite=state.last_finite,
+    )
   zero = jnp.zeros([], jnp.int32)
   skipped = jnp.where(
     finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
@@ -137,7 +153,7 @@ def _next_counters(
   consecutive = jnp.where(finite, zero, optax.safe_increment(state.consecutive_skips))
   good = jnp.where(finite, optax.safe_increment(state.good_steps), zero)
   counters = dict(
-    loss_scale=state.loss_scale,
+    loss_scale=jnp.asarray(rule.initial_scale, f32),  # fixed: the one allowed
     good_steps=good,
     hysteresis_left=state.hysteresis_left,
     skipped_steps=skipped,
@@ -147,22 +163,28 @@ def _next_counters(
   if not rule.dynamic:
     return counters
 
-  f32 = jnp.float32
   scale = state.loss_scale
   refill = jnp.asarray(rule.hysteresis, jnp.int32)
+  # A restored state may have more overflows left than this rule tolerates.
+  h_left = jnp.minimum(state.hysteresis_left, refill)
   grow = jnp.logical_and(finite, good >= rule.growth_interval)
   # Saturates at 0 instead of wrapping; the back-off test `<= 0` is unchanged.
-  h_after_overflow = jnp.maximum(state.hysteresis_left - 1, zero)
+  h_after_overflow = jnp.maximum(h_left - 1, zero)
   back_off = jnp.logical_and(jnp.logical_not(finite), h_after_overflow <= 0)
   if rule.reset_hysteresis_on_backoff:
     h_after_overflow = jnp.where(back_off, refill, h_after_overflow)
-  grown = jnp.minimum(scale * f32(rule.growth_factor), f32(rule.max_scale))
+  product = scale * f32(rule.growth_factor)
+  # A product past the float32 range keeps the scale (TF 1.x, TF 2.x, torch).
+  grown = jnp.where(
+    jnp.isfinite(product), jnp.minimum(product, f32(rule.max_scale)), scale
+  )
   shrunk = jnp.maximum(scale * f32(rule.backoff_factor), f32(rule.min_scale))
+  new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, scale))
   counters.update(
-    loss_scale=jnp.where(grow, grown, jnp.where(back_off, shrunk, scale)),
+    loss_scale=jnp.clip(new_scale, f32(rule.min_scale), f32(rule.max_scale)),
     good_steps=jnp.where(grow, zero, good),
     hysteresis_left=jnp.where(
-      finite, jnp.where(grow, refill, state.hysteresis_left), h_after_overflow
+      finite, jnp.where(grow, refill, h_left), h_after_overflow
     ),
   )
   return counters
@@ -185,14 +207,15 @@ def _widen(tree: Any) -> Any:
 _LARGEST_NORMAL_RECIPROCAL = 2.0**126
 
 
-def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
+def _unscale(grads: Any, loss_scale: jax.Array, *, keep_dtype: bool = False) -> Any:
   """`grads * (1 / loss_scale)` in the wider of float32 and each leaf's dtype.
 
   Above 2**126 the float32 reciprocal is subnormal, which XLA flushes to
   zero: there the gradients are first multiplied by 2**-64 (exact) and then
   by `2**64 / loss_scale`, the same rounding as `1 / loss_scale`. Below it
   the first factor is 1 and the result is `grads * (1 / loss_scale)` bit for
-  bit.
+  bit. With `keep_dtype` each leaf is cast back to its own dtype: with a
+  scale of 1 that is every leaf bit for bit.
   """
   f32 = jnp.float32
   big = loss_scale > f32(_LARGEST_NORMAL_RECIPROCAL)
@@ -201,7 +224,12 @@ def _unscale(grads: Any, loss_scale: jax.Array) -> Any:
   # A constant scale (state closed over by `jit`) must not let XLA merge the
   # two factors back into a subnormal one (still possible on jax 0.4.35).
   pre, inv = _compat.hide_from_constant_folding((pre, inv))
-  return _scale_leaves(grads, pre, inv)
+  unscaled = _scale_leaves(grads, pre, inv)
+  if not keep_dtype:
+    return unscaled
+  return jax.tree.map(
+    lambda u, g: u.astype(g.dtype) if is_inexact(g) else u, unscaled, grads
+  )
 
 
 def _unscaled_for_check(grads: Any, loss_scale: jax.Array) -> Any:
@@ -273,17 +301,17 @@ def _check_state(fn: str, state: Any) -> None:
     )
 
 
-def _check_matches_params(fn: str, grads: Any, params: Any) -> None:
-  """Raises a clear error when `grads` cannot be the gradient of `params`.
+def _params_mismatch(fn: str, grads: Any, params: Any) -> str | None:
+  """Why `grads` does not look like the gradient of `params`, or None.
 
   A gradient may carry leading dimensions the parameter lacks: per-example
   gradients, shaped `(batch, *param.shape)`, as `optax.contrib.dpsgd` takes.
   """
   if params is None:
-    return
+    return None
   g_def, p_def = jax.tree.structure(grads), jax.tree.structure(params)
   if g_def != p_def:
-    raise ValueError(
+    return (
       f"`{fn}`: the gradient tree does not match the params tree the"
       f" optimizer state was built for.\n  gradients: {g_def}\n  params:   "
       f" {p_def}"
@@ -298,12 +326,21 @@ def _check_matches_params(fn: str, grads: Any, params: Any) -> None:
       continue
     if len(g_shape) < len(p_shape) or g_shape[len(g_shape) - len(p_shape) :] != p_shape:
       where = jax.tree_util.keystr(path) or "the root"
-      raise ValueError(
+      return (
         f"`{fn}`: the gradient at {where} has shape {g_shape}, but the"
         f" parameter there has shape {p_shape} (a gradient has the"
         " parameter's shape, or per-example gradients a leading batch"
         " dimension before it)."
       )
+  return None
+
+
+def _keeps_types(new: Any, old: Any) -> bool:
+  """Whether `new` has `old`'s tree structure and leaf shapes."""
+  if jax.tree.structure(new) != jax.tree.structure(old):
+    return False
+  shapes = lambda t: [getattr(x, "shape", None) for x in jax.tree.leaves(t)]
+  return shapes(new) == shapes(old)
 
 
 def _is_state(x: Any) -> bool:
@@ -319,6 +356,23 @@ def _zeros(shapes: Any) -> Any:
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def _is_half(x: Any) -> bool:
+  return is_inexact(x) and _compute_dtype(x.dtype) != x.dtype
+
+
+def _widen_float16(tree: Any) -> Any:
+  """`tree` with its float16 leaves in float32 (bfloat16 and others kept)."""
+  return jax.tree.map(
+    lambda x: x.astype(jnp.float32) if is_inexact(x) and x.dtype == jnp.float16 else x,
+    tree,
+  )
+
+
+# Extra arguments of `update` that hold gradients (of the scaled loss, like
+# the updates): optax's line searches take the gradient as `grad=`.
+GRADIENT_EXTRA_ARGS = ("grad",)
+
+
 def _wrap(
   fn: str,
   inner: optax.GradientTransformation,
@@ -330,7 +384,9 @@ def _wrap(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    inner_state = inner.init(params)
+    # float16 optimizer state underflows (Adam's second moment is 0 for any
+    # |g| < 7.7e-3): float16 parameters get float32 state.
+    inner_state = inner.init(_widen_float16(params) if rule.enabled else params)
     if states_in(inner_state):
       raise ValueError(
         f"`{fn}(inner=...)` already holds a loss-scaling wrapper: two"
@@ -352,66 +408,76 @@ def _wrap(
   def update_fn(updates, state, params=None, **extra_args):
     given = extra_args.pop(DECISION, _ORDINARY)
     _check_state(fn, state)
-    if not rule.enabled:
-      if isinstance(given, Decision):
-        updates = given.incoming
-      step = lambda: inner.update(updates, state.inner_state, params, **extra_args)
-      if given is None:
-        decision = Decision(jnp.ones([], jnp.bool_), state, updates)
-        return _zeros(jax.eval_shape(step)[0]), decision
-      new_updates, inner_state = step()
-      return new_updates, state._replace(inner_state=inner_state)
-
     if isinstance(given, Decision):
       updates = given.incoming
     # Python float leaves: arrays, as `jax.jit` would make them, so that a
     # step is unscaled and checked the same eagerly and under `jit`.
     updates = numbers_as_arrays(updates)
-    _check_matches_params(fn, updates, params)
+    scale = state.loss_scale  # the one the loss was multiplied by
 
-    def unscaled():
-      # Computed in `apply`, not shared with the decision: XLA fuses it into
-      # the inner optimizer, and the check into its reduction, so no
-      # param-sized unscaled copy is ever written (sharing one made `lax.cond`
-      # take it as a materialized operand).
-      return _unscale(updates, state.loss_scale) if rule.scaled else updates
-
-    if isinstance(given, Decision):
+    if not rule.enabled:
+      finite = jnp.ones([], jnp.bool_)
+    elif isinstance(given, Decision):
       finite = given.finite
     else:
-      finite = decide(
-        _unscaled_for_check(updates, state.loss_scale) if rule.scaled else updates
-      )
+      finite = decide(_unscaled_for_check(updates, scale))
 
     # Half-precision gradients are unscaled in float32; the inner optimizer
     # then runs in float32 throughout (its state and the params widened too:
     # some optax optimizers cannot mix dtypes), and its state is stored back
-    # in the dtypes `inner.init` chose.
+    # in the dtypes it had. Unscaled wrappers (`enabled=False`,
+    # `skip_nonfinite`) hand `inner` the gradients' own dtypes.
     widened = rule.scaled and any(
-      is_inexact(g) and _compute_dtype(g.dtype) != g.dtype
-      for g in jax.tree_util.tree_leaves(updates)
+      _is_half(x) for x in jax.tree_util.tree_leaves((updates, params))
     )
     inner_params = _widen(params) if widened else params
 
-    def apply():
+    def unscaled(tree):
+      # Computed where it is used, not shared with the decision: XLA fuses
+      # it into the inner optimizer, and the check into its reduction, so no
+      # param-sized unscaled copy is ever written (sharing one made
+      # `lax.cond` take it as a materialized operand).
+      tree = _unscale(numbers_as_arrays(tree), scale, keep_dtype=not rule.scaled)
+      if not rule.enabled:
+        return tree
       # A select, not a multiply: where both branches run (`jax.vmap` with a
       # per-member flag) the inner optimizer sees zeros, never inf or NaN.
-      safe = jax.tree.map(
+      return jax.tree.map(
         lambda x: jnp.where(finite, x, jnp.zeros_like(x)) if is_inexact(x) else x,
-        unscaled(),
+        tree,
       )
+
+    def inner_update(inner_state):
+      extra = {
+        k: unscaled(v) if k in GRADIENT_EXTRA_ARGS else v for k, v in extra_args.items()
+      }
+      return inner.update(unscaled(updates), inner_state, inner_params, **extra)
+
+    def apply():
       inner_state = _widen(state.inner_state) if widened else state.inner_state
-      new_updates, inner_state = inner.update(
-        safe, inner_state, inner_params, **extra_args
-      )
+      new_updates, inner_state = inner_update(inner_state)
       return new_updates, _like(inner_state, state.inner_state)
+
+    mismatch = _params_mismatch(fn, updates, params)
+    if mismatch is not None:
+      # Not what a gradient of `params` looks like; but some optimizers take
+      # other params (`optax.lookahead`'s `LookaheadParams`): refuse only
+      # what `inner` itself cannot take, or takes by changing its state's
+      # shapes (broadcasting).
+      try:
+        _, new_state = jax.eval_shape(apply)
+        accepted = _keeps_types(new_state, state.inner_state)
+      except Exception as e:
+        raise ValueError(mismatch) from e
+      if not accepted:
+        raise ValueError(mismatch)
 
     if given is None:  # decide only
       skipped = LossScaleState(
         **_next_counters(rule, state, finite), inner_state=state.inner_state
       )
       return _zeros(jax.eval_shape(apply)[0]), Decision(finite, skipped, updates)
-    if given is _ORDINARY:
+    if given is _ORDINARY and rule.enabled:
       # `lax.cond`: a skipped step runs no optimizer, a finite one updates
       # the inner state in place (docs/performance.md has the measurements).
       out = jax.eval_shape(apply)
@@ -454,17 +520,26 @@ def dynamic_loss_scale(
   (transformations chained *after* the wrapper still run, on those zeros;
   [`lossscale.apply_gradients`][] skips them too). Then the scale moves: it is
   multiplied by `growth_factor` (up to `max_scale`) on exactly the
-  `growth_interval`-th consecutive finite step, and by `backoff_factor` (down
-  to `min_scale`) on the `hysteresis`-th non-finite step since it last grew,
-  then on every one (or, with `reset_hysteresis_on_backoff`, on every
-  `hysteresis`-th). The rule in full: [How dynamic loss scaling
-  works][the-rule].
+  `growth_interval`-th consecutive finite step (a product past the float32
+  range keeps the scale), and by `backoff_factor` (down to `min_scale`) on
+  the `hysteresis`-th non-finite step since it last grew, then on every one
+  (or, with `reset_hysteresis_on_backoff`, on every `hysteresis`-th). The
+  rule in full: [How dynamic loss scaling works][the-rule].
+
+  `update` divides by the scale in the state it is given, the one the loss
+  was multiplied by, and leaves a scale within `[min_scale, max_scale]`, so a
+  state restored from a run with another configuration gives the right step
+  at once ([Resuming with another
+  configuration][resuming-with-another-configuration]).
 
   Half-precision gradients are unscaled in float32 and `inner` runs in
   float32 (on widened copies of its state and the parameters); its state
-  keeps the dtypes `inner.init(params)` gave it (bfloat16 or float16
-  parameters keep half-precision optimizer states, with no retrace), and the
-  updates come out as `inner` computes them, in float32. With `axis_name`
+  keeps the dtypes it started with, with no retrace: bfloat16 parameters
+  keep the bfloat16 state `inner.init(params)` gives, float16 parameters get
+  a float32 state (float16 moments underflow: Adam's second moment is 0 for
+  any |g| < 7.7e-3). The updates come out as `inner` computes them, in
+  float32. Gradient-valued extra arguments (`grad=`, as `optax.lbfgs`'s line
+  search takes) are unscaled like the gradients. With `axis_name`
   the finite flag is reduced over that mapped axis, so all replicas skip
   together; without it they still agree when the gradients were averaged
   first ([`lossscale.cross_shard_mean`][]; see [Data-parallel
@@ -477,14 +552,16 @@ def dynamic_loss_scale(
     growth_interval: consecutive finite steps after which the scale grows.
     growth_factor: multiplier on growth, `>= 1`.
     backoff_factor: multiplier on back-off, in `(0, 1]`.
-    hysteresis: non-finite steps tolerated before the scale backs off.
+    hysteresis: the scale backs off on the `hysteresis`-th overflow since it
+      last grew (`hysteresis - 1` are tolerated; none with the default 1).
     min_scale: the lowest scale, a normal float32 (`>= 2**-126`).
     max_scale: the highest scale, a finite float32.
     axis_name: axis name(s) over which the finite flag is reduced.
     reset_hysteresis_on_backoff: refill `h` after each back-off too, so the
       scale backs off on every `hysteresis`-th overflow since it last changed.
     enabled: `False` gives exactly `inner` (no scaling, no skipping) with the
-      same state structure and a loss scale of 1.
+      same state structure and a loss scale of 1 (a restored state's scale
+      is divided out of its first step, then set to 1).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a
@@ -565,7 +642,9 @@ def static_loss_scale(
 
   Like [`lossscale.dynamic_loss_scale`][] with a scale that never changes:
   non-finite steps are still skipped (zero updates, `inner`'s state bit for
-  bit, `skipped_steps` counted).
+  bit, `skipped_steps` counted). A restored state holding another scale is
+  unscaled by that scale on its first step, after which the scale is
+  `loss_scale`.
 
   Args:
     inner: the optimizer to wrap, any `optax.GradientTransformation`.
@@ -613,7 +692,9 @@ def skip_nonfinite(
   reach `inner` as they are, and a non-finite step gives zero updates and
   leaves `inner`'s state bit for bit. Unlike `optax.apply_if_finite` it never
   applies a non-finite update ([`lossscale.check_not_stalled`][] fails
-  loudly when every step is skipped). The loss scale is 1.
+  loudly when every step is skipped). The loss scale is 1: a state restored
+  from a loss-scaled run (switching a float16 run to bfloat16) has its scale
+  divided out of the first step's gradients, then set to 1.
 
   Args:
     inner: the optimizer to wrap, any `optax.GradientTransformation`.

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale import _validation
 from lossscale._loss_scale import LossScaleState, states_in
+
+T = TypeVar("T")
 
 
 def _unwrap(x: Any) -> Any:
@@ -56,11 +59,77 @@ def get_loss_scale(x: Any) -> jax.Array:
   Examples:
     >>> import optax, jax.numpy as jnp
     >>> import lossscale as ls
-    >>> tx = optax.chain(optax.clip(1.0), ls.dynamic_loss_scale(optax.sgd(0.1)))
+    >>> inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    >>> tx = optax.chain(optax.add_decayed_weights(1e-4), ls.dynamic_loss_scale(inner))
     >>> ls.get_loss_scale(tx.init(jnp.zeros(3)))
     Array(32768., dtype=float32)
   """
   return jnp.asarray(_unwrap(find_state(x).loss_scale), jnp.float32)
+
+
+def set_loss_scale(x: T, loss_scale: float) -> T:
+  """Returns `x` with its loss scale set to `loss_scale` (and `good_steps` 0).
+
+  The one-liner to restart the scale of a restored state, for example when a
+  run that trained with `enabled=False` (scale 1) is resumed with loss
+  scaling switched on:
+
+  ```python
+  opt_state = lossscale.set_loss_scale(opt_state, 2.0**15)
+  ```
+
+  Only the scale and the count of good steps since it last changed are
+  reset; the inner optimizer's state and the other counters are kept. The
+  wrapper unscales by the scale in the state it is given, so the next step
+  is right whatever the scale was ([Resuming with another
+  configuration][resuming-with-another-configuration]).
+
+  Args:
+    x: an optimizer state with a [`lossscale.LossScaleState`][] nested
+      anywhere inside, a [`lossscale.flax.TrainState`][] (or any Flax struct
+      with an `opt_state`), or an `nnx.Optimizer` (changed in place).
+    loss_scale: the new scale, a normal float32 (`>= 2**-126`).
+
+  Returns:
+    A copy of `x` with the new scale (the `nnx.Optimizer` itself, changed in
+    place). Under `jax.vmap` every member gets the same scale.
+
+  Raises:
+    ValueError: for an invalid `loss_scale`, or when `x` does not hold
+      exactly one `LossScaleState`.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> import lossscale as ls
+    >>> off = ls.dynamic_loss_scale(optax.sgd(0.1), enabled=False)
+    >>> state = off.init({"w": jnp.zeros(2)})  # a float32 run's state
+    >>> state = ls.set_loss_scale(state, 2.0**15)  # resumed in float16
+    >>> ls.get_loss_scale(state)
+    Array(32768., dtype=float32)
+  """
+  scale = _validation.float32_scale("set_loss_scale", "loss_scale", loss_scale)
+  state = find_state(x)
+  old_scale, old_good = state.loss_scale, state.good_steps
+  new_scale = jnp.full(jnp.shape(_unwrap(old_scale)), scale, jnp.float32)
+  new_good = jnp.zeros(jnp.shape(_unwrap(old_good)), jnp.int32)
+  if _unwrap(old_scale) is not old_scale:  # NNX Variables: set in place
+    for var, value in ((old_scale, new_scale), (old_good, new_good)):
+      if hasattr(var, "set_value"):
+        var.set_value(value)
+      else:
+        var.value = value
+    return x
+
+  def replace(node: Any) -> Any:
+    if isinstance(node, LossScaleState):
+      return node._replace(loss_scale=new_scale, good_steps=new_good)
+    return node
+
+  tree = getattr(x, "opt_state", x)
+  tree = jax.tree.map(replace, tree, is_leaf=lambda n: isinstance(n, LossScaleState))
+  if tree is not x and hasattr(x, "opt_state"):
+    return x.replace(opt_state=tree)  # type: ignore[attr-defined]
+  return tree
 
 
 def _scale_of(x: Any) -> jax.Array:

@@ -114,7 +114,8 @@ def reference_rule(rule, finite_flags, start=None):
   `start` is `(scale, good_steps, hysteresis_left, skipped_steps,
   consecutive_skips)` (`rule.start()` if omitted); returns that tuple after
   every step. A finite step counts a good step and grows the scale by
-  `growth_factor` (at most `max_scale`) once `growth_interval` good steps
+  `growth_factor` (at most `max_scale`; not at all when the product overflows
+  float32, as in TF 1.x, TF 2.x and PyTorch) once `growth_interval` good steps
   have passed, refilling the hysteresis; a non-finite one is skipped,
   clears the good steps and spends one unit of hysteresis, and once none is
   left backs the scale off by `backoff_factor` (at least `min_scale`), on
@@ -131,7 +132,9 @@ def reference_rule(rule, finite_flags, start=None):
         good = min(good + 1, I32_MAX)
         consecutive = 0
         if good >= rule.growth_interval:
-          scale = min(f32(scale * f32(rule.growth_factor)), f32(rule.max_scale))
+          product = f32(scale * f32(rule.growth_factor))
+          if np.isfinite(product):  # past float32's range the scale stays
+            scale = min(product, f32(rule.max_scale))
           good, h = 0, rule.hysteresis
       else:
         skipped = min(skipped + 1, I32_MAX)

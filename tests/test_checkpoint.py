@@ -1,4 +1,7 @@
-"""Checkpointing the whole optimizer state with orbax, and resuming exactly."""
+"""Checkpointing the whole optimizer state with orbax, and resuming exactly
+(with the same configuration, or another one)."""
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -6,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 from flax.training import train_state
 from optax.tree_utils import tree_get
 
@@ -181,3 +185,169 @@ def test_flax_train_state_with_checkpoint_manager(tmp_path):
   # Plain Flax counts skipped steps too.
   assert int(restored.step) == _N_STEPS
   assert int(tree_get(restored.opt_state, "skipped_steps")) == len(_BAD_STEPS)
+
+
+# ---------------------------------------------------------------------------
+# Resuming with another configuration: every wrapper divides by the scale in
+# the state it is given (the one the loss was multiplied by), and leaves a
+# scale its own configuration allows.
+
+_F16_SCALE = 2.0**15
+_INNER = optax.sgd(0.1, momentum=0.9)
+
+
+@functools.cache
+def _restored_float16_run():
+  """A mid-run state of a float16 run: scale 2**15, momentum built up."""
+  tx = ls.dynamic_loss_scale(_INNER, initial_scale=_F16_SCALE, growth_interval=100)
+  tree = _init(tx)
+  x, y = _data()
+  step = _make_step(tx)
+  for t in (0, 1, 2):
+    tree["params"], tree["opt_state"] = step(
+      tree["params"], tree["opt_state"], x[t], y[t]
+    )
+  assert float(ls.get_loss_scale(tree["opt_state"])) == _F16_SCALE
+  return tree
+
+
+_RESUMED_WITH = {
+  "enabled=False": (lambda: ls.dynamic_loss_scale(_INNER, enabled=False), 1.0),
+  "static enabled=False": (
+    lambda: ls.static_loss_scale(_INNER, 2.0**10, enabled=False),
+    1.0,
+  ),
+  "skip_nonfinite": (lambda: ls.skip_nonfinite(_INNER), 1.0),
+  "static 128": (lambda: ls.static_loss_scale(_INNER, 128.0), 128.0),
+  "lower max_scale": (
+    lambda: ls.dynamic_loss_scale(_INNER, initial_scale=8.0, max_scale=2.0**10),
+    2.0**10,
+  ),
+  "higher min_scale": (
+    lambda: ls.dynamic_loss_scale(_INNER, initial_scale=2.0**17, min_scale=2.0**16),
+    2.0**16,
+  ),
+  "same": (lambda: ls.dynamic_loss_scale(_INNER, growth_interval=100), _F16_SCALE),
+}
+
+
+def _resumed_step(tx, path):
+  def composed(params, opt_state, x, y):
+    _, grads = ls.value_and_grad(_loss)(opt_state, params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def fused(params, opt_state, x, y):
+    _, grads = ls.value_and_grad(_loss)(opt_state, params, x, y)
+    return ls.apply_gradients(tx, grads, opt_state, params)
+
+  step = fused if path.startswith("apply_gradients") else composed
+  return jax.jit(step) if path.endswith("jit") else step
+
+
+_PATHS = ["update eager", "update jit", "apply_gradients eager", "apply_gradients jit"]
+
+
+@pytest.mark.parametrize("path", _PATHS)
+@pytest.mark.parametrize("config", list(_RESUMED_WITH))
+def test_resuming_with_another_configuration_gives_the_right_first_step(config, path):
+  make, allowed_scale = _RESUMED_WITH[config]
+  tree = _restored_float16_run()
+  params, opt_state = tree["params"], tree["opt_state"]
+  x, y = _data()
+  t = 4  # a finite batch
+  new_params, new_state = _resumed_step(make(), path)(params, opt_state, x[t], y[t])
+  # The reference: the bare optimizer fed the true gradients, from the
+  # restored inner state.
+  true_grads = jax.grad(_loss)(params, x[t], y[t])
+  updates, inner_state = _INNER.update(true_grads, opt_state.inner_state, params)
+  want = optax.apply_updates(params, updates)
+  for got, ref in zip(jax.tree.leaves(new_params), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+  for got, ref in zip(
+    jax.tree.leaves(new_state.inner_state), jax.tree.leaves(inner_state), strict=True
+  ):
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+  # The scale left is one the new configuration allows.
+  assert new_state.loss_scale.dtype == jnp.float32
+  assert float(new_state.loss_scale) == allowed_scale
+  # And the next step's loss is scaled by it.
+  _, g = ls.value_and_grad(lambda w: jnp.sum(w))(new_state, jnp.ones(2))
+  np.testing.assert_array_equal(g, np.full(2, allowed_scale, np.float32))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_resumed_scale_outside_new_bounds_moves_by_the_new_rule(jit):
+  # From 2**15 with max_scale=2**10: never above 2**10, and a growth step
+  # does not shrink it below. With min_scale=2**16: never below 2**16.
+  params = {"w": jnp.zeros(2)}
+  old = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=_F16_SCALE)
+  restored = old.init(params)._replace(good_steps=jnp.int32(1))
+  ok, bad = {"w": jnp.ones(2)}, {"w": jnp.full(2, jnp.inf)}
+  cases = [
+    (dict(max_scale=2.0**10, growth_interval=2), [ok, ok, ok, bad, bad, ok, ok]),
+    (dict(min_scale=2.0**16, growth_interval=2), [bad, ok, ok, bad, ok, ok, bad]),
+  ]
+  for settings, grads in cases:
+    tx = ls.dynamic_loss_scale(
+      optax.sgd(0.1), initial_scale=settings.get("min_scale", 1.0), **settings
+    )
+    update = jax.jit(tx.update) if jit else tx.update
+    state, scales = restored, []
+    for g in grads:
+      _, state = update(g, state, params)
+      scales.append(float(state.loss_scale))
+    if "max_scale" in settings:
+      assert scales == [2.0**10, 2.0**10, 2.0**10, 2.0**9, 2.0**8, 2.0**8, 2.0**9]
+    else:
+      assert scales == [2.0**16, 2.0**16, 2.0**17, 2.0**16, 2.0**16, 2.0**17, 2.0**16]
+
+
+def test_restarting_the_scale_when_switching_loss_scaling_on():
+  # A float32 run (enabled=False, scale 1) resumed in float16: without a
+  # restart the scale would need 15 growths to reach 2**15.
+  params = {"w": jnp.array([0.5, -1.0])}
+  off = ls.dynamic_loss_scale(_INNER, enabled=False)
+  on = ls.dynamic_loss_scale(_INNER)
+  state = off.init(params)
+  with standard_promotion():
+    _, state = off.update({"w": jnp.ones(2)}, state, params)
+  restarted = ls.set_loss_scale(state, 2.0**15)
+  assert float(ls.get_loss_scale(restarted)) == 2.0**15
+  assert restarted.loss_scale.dtype == jnp.float32
+  assert int(restarted.good_steps) == 0
+  assert_trees_equal(restarted.inner_state, state.inner_state)
+  assert int(restarted.skipped_steps) == int(state.skipped_steps)
+  # Same types: no retrace in a jitted step.
+  jax.lax.cond(True, lambda: state, lambda: restarted)
+  true = {"w": jnp.array([1e-3, -2e-3])}
+  _, scaled = ls.value_and_grad(lambda p: jnp.sum(p["w"] * true["w"]))(
+    restarted, params
+  )
+  updates, after = jax.jit(on.update)(scaled, restarted, params)
+  want, _ = _INNER.update(true, state.inner_state, params)
+  np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-6)
+  assert float(after.loss_scale) == 2.0**15
+
+
+def test_set_loss_scale_on_train_states_and_ensembles():
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), enabled=False)
+  model = nn.Dense(1)
+  params = model.init(jax.random.key(0), jnp.ones((1, 2)))["params"]
+  ts = ls.flax.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  ts2 = ls.set_loss_scale(ts, 1024.0)
+  assert isinstance(ts2, ls.flax.TrainState)
+  assert float(ts2.loss_scale) == 1024.0 and float(ts.loss_scale) == 1.0
+  # Nested in a chain, and batched over an ensemble.
+  chained = optax.chain(optax.clip(1.0), ls.dynamic_loss_scale(optax.sgd(0.1)))
+  states = jax.vmap(chained.init)(jnp.zeros((3, 2)))
+  states = ls.set_loss_scale(states, 8.0)
+  np.testing.assert_array_equal(ls.get_loss_scale(states), [8.0, 8.0, 8.0])
+  # Inside jit too.
+  jitted = jax.jit(lambda s: ls.set_loss_scale(s, 4.0))(states)
+  np.testing.assert_array_equal(ls.get_loss_scale(jitted), [4.0, 4.0, 4.0])
+  for bad in (0.0, -1.0, float("inf"), float("nan"), 1e-40):
+    with pytest.raises(ValueError, match=r"set_loss_scale\(loss_scale=\.\.\.\)"):
+      ls.set_loss_scale(states, bad)
+  with pytest.raises(ValueError, match="exactly one"):
+    ls.set_loss_scale(optax.sgd(0.1).init(jnp.zeros(2)), 2.0)

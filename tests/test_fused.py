@@ -14,7 +14,13 @@ from jax.sharding import PartitionSpec as P
 
 import _compat
 import lossscale as ls
-from _helpers import assert_trees_equal, collectives, make_mesh, standard_promotion
+from _helpers import (
+  assert_trees_close,
+  assert_trees_equal,
+  collectives,
+  make_mesh,
+  standard_promotion,
+)
 
 INF, NAN = float("inf"), float("nan")
 
@@ -216,7 +222,8 @@ def test_extra_args_are_forwarded_lbfgs():
     def step(p, s):
       value, g = jax.value_and_grad(loss)(p)
       sg = jax.tree.map(lambda x: x * scale, g)
-      extra = dict(value=value, grad=g, value_fn=loss)
+      # The natural step: `grad=` gets the same (scaled) gradients.
+      extra = dict(value=value, grad=sg, value_fn=loss)
       if fused:
         return ls.apply_gradients(tx, sg, s, p, **extra)
       u, s = tx.update(sg, s, p, **extra)
@@ -229,7 +236,8 @@ def test_extra_args_are_forwarded_lbfgs():
     return p, s
 
   fused, composed = run(True), run(False)
-  assert_trees_equal(fused, composed)
+  # To rounding: XLA compiles the line search differently in the two steps.
+  assert_trees_close(fused, composed, rtol=1e-5, atol=1e-6)
   assert float(loss(fused[0])) < 1e-3 * float(loss(params))
 
 

@@ -320,19 +320,37 @@ def test_long_sequences_match_the_reference_and_stay_in_bounds(case):
     assert np.all(np.asarray(counter) >= 0)
 
 
-def test_extreme_factors_clamp_instead_of_overflowing():
+def test_extreme_factors_keep_the_scale_finite_and_in_range():
   # The last config, by hand: growth by 2**100 overflows float32 on the
-  # second step and is clamped to max_scale; three back-offs by 2**-100 reach
-  # 2**-172 * (2 - 2**-23), which underflows to 0 and is clamped to min_scale.
+  # second step, so the scale stays at 2**100 (TF 1.x, TF 2.x and torch skip
+  # a growth past float32's range); three back-offs by 2**-100 reach 2**-200,
+  # which underflows to 0 and is clamped to min_scale.
   _, run = _compiled_run(len(CONFIGS) - 1)
   tx = CONFIGS[-1].tx()
   values = _KIND_VALUES[np.array([0, 0, 0, 1, 2, 3])]
   got = np.asarray(run(tx.init(jnp.zeros([])), values)[0])
-  f32max = np.finfo(np.float32).max
-  mantissa = 2.0 - 2.0**-23  # f32max == mantissa * 2**127
-  expected = [2.0**100, f32max, f32max, mantissa * 2.0**27, mantissa * 2.0**-73]
-  expected.append(2.0**-120)
+  expected = [2.0**100, 2.0**100, 2.0**100, 1.0, 2.0**-100, 2.0**-120]
   np.testing.assert_array_equal(got, np.array(expected, np.float32))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_growth_past_float32_keeps_the_scale(jit):
+  # TF 1.x `incr_loss_scale`, TF 2.x `_assign_if_finite`, torch ("do not grow
+  # the scale past fp32 bounds to inf"): a product that overflows float32
+  # keeps the old scale instead of clamping to the float32 maximum.
+  f32max = float(np.finfo(np.float32).max)
+  tx = ls.dynamic_loss_scale(
+    optax.sgd(1.0), initial_scale=2.0**126, growth_interval=1, max_scale=f32max
+  )
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  scales = []
+  for _ in range(3):
+    _, state = update({"w": jnp.ones(2)}, state, params)
+    scales.append(float(state.loss_scale))
+  assert scales == [2.0**127, 2.0**127, 2.0**127]
+  assert state.skipped_steps == 0
 
 
 # ---------------------------------------------------------------------------
@@ -609,33 +627,139 @@ def test_clipping_inside_inner_sees_unscaled_gradients():
   np.testing.assert_allclose(u["w"], -g["w"], rtol=1e-7)
 
 
-def test_lbfgs_extra_args_are_forwarded():
-  def f(w):
-    return jnp.sum((w - jnp.arange(3.0)) ** 2)
+def _rosenbrock(w):
+  return jnp.sum(100.0 * (w[1:] - w[:-1] ** 2) ** 2 + (1.0 - w[:-1]) ** 2)
 
-  scale = 2.0**8
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+def test_lbfgs_follows_bare_lbfgs_with_grad_unscaled(fused, jit):
+  # The natural step hands the (scaled) gradients to `grad=` too: the zoom
+  # line search must see the true slope, so the wrapped run follows bare
+  # L-BFGS (a slope `scale` times too steep ended at 0.376 against 0.204).
+  scale = 2.0**10
+  wrapped = ls.static_loss_scale(optax.lbfgs(), scale)
+  bare = optax.lbfgs()
+
+  def bare_step(w, s):
+    v, g = jax.value_and_grad(_rosenbrock)(w)
+    u, s = bare.update(g, s, w, value=v, grad=g, value_fn=_rosenbrock)
+    return optax.apply_updates(w, u), s, v
+
+  def wrapped_step(w, s):
+    v, g = ls.value_and_grad(_rosenbrock)(s, w)  # g: of the scaled loss
+    extra = dict(value=v, grad=g, value_fn=_rosenbrock)
+    if fused:
+      w, s = ls.apply_gradients(wrapped, g, s, w, **extra)
+      return w, s, v
+    u, s = wrapped.update(g, s, w, **extra)
+    return optax.apply_updates(w, u), s, v
+
+  if jit:
+    bare_step, wrapped_step = jax.jit(bare_step), jax.jit(wrapped_step)
+  w0 = jnp.array([-1.2, 1.0, -0.5, 0.8])
   with standard_promotion():
-    bare, wrapped = optax.lbfgs(), ls.static_loss_scale(optax.lbfgs(), scale)
-    w_b = w_w = jnp.zeros(3)
-    s_b, s_w = bare.init(w_b), wrapped.init(w_w)
+    w_b, s_b = w0, bare.init(w0)
+    w_w, s_w = w0, wrapped.init(w0)
+    for _ in range(12):
+      w_b, s_b, v_b = bare_step(w_b, s_b)
+      w_w, s_w, v_w = wrapped_step(w_w, s_w)
+      np.testing.assert_allclose(v_w, v_b, rtol=1e-4)
+  np.testing.assert_allclose(w_w, w_b, rtol=1e-4, atol=1e-6)
+  assert float(_rosenbrock(w_w)) < 0.5 * float(_rosenbrock(w0))
 
-    @jax.jit
-    def step_bare(w, s):
-      v, g = jax.value_and_grad(f)(w)
-      u, s = bare.update(g, s, w, value=v, grad=g, value_fn=f)
-      return optax.apply_updates(w, u), s
 
-    @jax.jit
-    def step_wrapped(w, s):
-      v, g = jax.value_and_grad(f)(w)
-      u, s = wrapped.update(g * scale, s, w, value=v, grad=g, value_fn=f)
-      return optax.apply_updates(w, u), s
+def test_lbfgs_grad_extra_argument_is_unscaled_in_half_precision():
+  # float16 parameters: `grad=` is unscaled and widened like the updates, so
+  # the first step is bare L-BFGS's on the float32 copy of the parameters.
+  tx = ls.static_loss_scale(optax.lbfgs(), 8.0)
+  bare = optax.lbfgs()
+  w = jnp.array([0.5, -0.25, 1.5], jnp.float16)
+  w32 = w.astype(jnp.float32)
+  f = lambda p: _rosenbrock(p.astype(jnp.float32))
+  with standard_promotion():
+    s = tx.init(w)
+    v, g = ls.value_and_grad(f)(s, w)
+    u, s = tx.update(g, s, w, value=v, grad=g, value_fn=f)
+    v32, g32 = jax.value_and_grad(f)(w32)
+    want, _ = bare.update(g32, bare.init(w32), w32, value=v32, grad=g32, value_fn=f)
+  assert bool(s.last_finite)
+  assert u.dtype == jnp.float32
+  np.testing.assert_allclose(u, want, rtol=1e-5)
 
-    for _ in range(3):
-      w_b, s_b = step_bare(w_b, s_b)
-      w_w, s_w = step_wrapped(w_w, s_w)
-  np.testing.assert_allclose(w_w, w_b, rtol=1e-6)
-  np.testing.assert_allclose(w_w, jnp.arange(3.0), atol=1e-4)
+
+def _lookahead_problem():
+  fast = {"w": jnp.array([1.0, -2.0]), "b": jnp.array([0.5])}
+  params = optax.LookaheadParams.init_synced(fast)
+  grads = [
+    jax.tree.map(lambda x, k=k: (k + 1.0) * 0.1 * x + 0.05, fast) for k in range(7)
+  ]
+  return params, grads
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_lookahead_inner_matches_bare_lookahead(jit):
+  # optax.lookahead's params are `LookaheadParams(fast, slow)` while its
+  # gradients are those of `params.fast`: optax's documented contract.
+  inner = optax.lookahead(optax.adam(0.1), sync_period=3, slow_step_size=0.5)
+  tx = ls.dynamic_loss_scale(inner, initial_scale=2.0**8)
+  params, grads = _lookahead_problem()
+  update = jax.jit(tx.update) if jit else tx.update
+  bare_update = jax.jit(inner.update) if jit else inner.update
+  with standard_promotion():
+    p_w, s_w = params, tx.init(params)
+    p_b, s_b = params, inner.init(params)
+    for k, g in enumerate(grads):  # 7 steps: two syncs
+      scaled = jax.tree.map(lambda x: x * 2.0**8, g)
+      if k == 4:  # an overflow in between: skipped, nothing moves
+        bad = jax.tree.map(lambda x: jnp.full_like(x, jnp.inf), g)
+        u, skipped = update(bad, s_w, p_w)
+        assert not bool(skipped.last_finite)
+        assert_trees_equal(skipped.inner_state, s_w.inner_state)
+        assert not any(np.asarray(x).any() for x in jax.tree.leaves(u))
+        s_w = skipped._replace(loss_scale=s_w.loss_scale)
+      u, s_w = update(scaled, s_w, p_w)
+      p_w = optax.apply_updates(p_w, u)
+      bu, s_b = bare_update(g, s_b, p_b)
+      p_b = optax.apply_updates(p_b, bu)
+  assert_trees_close(p_w, p_b, rtol=1e-6)
+  assert_trees_close(s_w.inner_state, s_b, rtol=1e-6)
+
+
+def test_lookahead_with_apply_gradients_matches_the_composed_step():
+  inner = optax.lookahead(optax.sgd(0.1, momentum=0.9), sync_period=2)
+  tx = ls.dynamic_loss_scale(inner, initial_scale=4.0)
+  params, grads = _lookahead_problem()
+
+  def composed(g, s, p):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  fused = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+  composed = jax.jit(composed)
+  p_f = p_c = params
+  s_f = s_c = tx.init(params)
+  for g in grads[:4]:
+    g = jax.tree.map(lambda x: x * 4.0, g)
+    p_f, s_f = fused(g, s_f, p_f)
+    p_c, s_c = composed(g, s_c, p_c)
+  assert_trees_close(p_f, p_c, rtol=1e-6)
+  bad = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), grads[0])
+  kept, s_k = fused(bad, s_f, p_f)
+  assert_trees_equal(kept, p_f)
+  assert_trees_equal(s_k.inner_state, s_f.inner_state)
+
+
+@pytest.mark.parametrize(
+  "grads",
+  [{"w": jnp.ones(3)}, {"w": jnp.ones(2), "b": jnp.ones(1), "c": jnp.ones(1)}],
+)
+def test_lookahead_with_wrong_gradients_still_gets_a_clear_error(grads):
+  inner = optax.lookahead(optax.adam(0.1), sync_period=3, slow_step_size=0.5)
+  tx = ls.dynamic_loss_scale(inner)
+  params, _ = _lookahead_problem()
+  with standard_promotion(), pytest.raises(ValueError, match=r"does not match|shape"):
+    jax.jit(tx.update)(grads, tx.init(params), params)
 
 
 # ---------------------------------------------------------------------------
