@@ -10,7 +10,7 @@ OLDEST := .venv-oldest
 OLDEST_PY := $(OLDEST)/bin/python
 OLDEST_STAMP := $(OLDEST)/.installed
 
-.PHONY: test test-newest test-oldest docs-check demo docs lint bench clean
+.PHONY: test test-newest test-oldest docs-check demo docs lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,9 +27,9 @@ $(OLDEST_STAMP): pyproject.toml .ci/lower_bounds.py
 	$(OLDEST_PY) -m pip install --quiet -c $(OLDEST)/constraints.txt -e ".[test]"
 	touch $(OLDEST_STAMP)
 
-# Lint, the suite (doctests included) on the newest stack, a strict docs
-# build, then the suite on the oldest stack.
-test: lint test-newest docs-check test-oldest
+# Lint, types, the suite (doctests included) on the newest stack, a strict
+# docs build, then the suite on the oldest stack.
+test: lint typecheck test-newest docs-check test-oldest
 
 test-newest: $(STAMP)
 	$(PY) -m pytest -q
@@ -40,6 +40,11 @@ test-oldest: $(OLDEST_STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# mypy over lossscale/ ([tool.mypy] in pyproject.toml), on the newest stack
+# (.venv): the annotations users' type checkers and editors read.
+typecheck: $(STAMP)
+	$(PY) -m mypy
 
 docs-check: $(STAMP)
 	$(PY) -m mkdocs build --strict --site-dir $(VENV)/site
@@ -54,4 +59,5 @@ bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py
 
 clean:
-	rm -rf $(VENV) $(OLDEST) site build dist .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) site build dist .pytest_cache .ruff_cache \
+		.mypy_cache

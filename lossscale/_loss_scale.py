@@ -239,7 +239,9 @@ def _like(new: Any, old: Any) -> Any:
   The inner optimizer computes from float32 gradients; this keeps its state
   in the dtypes `inner.init(params)` chose (bfloat16 moments stay bfloat16).
   """
-  if jax.tree.structure(new) != jax.tree.structure(old):
+  # `Any`: jaxlib 0.10 ships no stubs for PyTreeDef, which mypy cannot compare.
+  new_def: Any = jax.tree.structure(new)
+  if new_def != jax.tree.structure(old):
     return new
 
   def leaf(n, o):
@@ -281,7 +283,8 @@ def _check_matches_params(fn: str, grads: Any, params: Any) -> None:
   """
   if params is None:
     return
-  g_def, p_def = jax.tree.structure(grads), jax.tree.structure(params)
+  g_def: Any = jax.tree.structure(grads)  # Any: see `_like`
+  p_def = jax.tree.structure(params)
   if g_def != p_def:
     raise ValueError(
       f"`{fn}`: the gradient tree does not match the params tree the"
