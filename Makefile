@@ -34,6 +34,7 @@ $(OLDEST_STAMP): pyproject.toml .ci/lower_bounds.py
 
 # Everything on the newest stack (lint, types, the suite with its doctests, a
 # strict docs build, the built distributions), then the suite on the oldest.
+# CI runs all of it on Python 3.11 and check-newest on 3.13.
 test: check-newest test-oldest
 
 check-newest: lint typecheck test-newest docs-check dist-check
@@ -44,9 +45,12 @@ test-newest: $(STAMP)
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST_PY) -m pytest -q
 
+# ruff, and zizmor over the GitHub workflows (their schema and security).
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/zizmor --offline --strict-collection --quiet \
+		--config .github/zizmor.yml .github/workflows/*.yml
 
 # mypy over lossscale/ ([tool.mypy] in pyproject.toml), on the newest stack
 # (.venv): the annotations users' type checkers and editors read.
