@@ -1,6 +1,7 @@
 """lossscale: mixed-precision loss scaling for JAX, as optax transformations."""
 
 from importlib import metadata as _metadata
+from typing import TYPE_CHECKING
 
 from lossscale._diagnostics import LossScaleStalledError as LossScaleStalledError
 from lossscale._diagnostics import check_not_stalled as check_not_stalled
@@ -47,11 +48,16 @@ __all__ = [
   "with_compute_dtype",
 ]
 
+if TYPE_CHECKING:
+  # Type checkers see `lossscale.flax` as the module it is (and no
+  # `__getattr__`, which would make every misspelt name `Any`).
+  from lossscale import flax as flax
+else:
 
-def __getattr__(name):
-  # `lossscale.flax` needs the optional flax dependency: import it on use.
-  if name == "flax":
-    import importlib
+  def __getattr__(name):
+    # `lossscale.flax` needs the optional flax dependency: import it on use.
+    if name == "flax":
+      import importlib
 
-    return importlib.import_module("lossscale.flax")
-  raise AttributeError(f"module 'lossscale' has no attribute {name!r}")
+      return importlib.import_module("lossscale.flax")
+    raise AttributeError(f"module 'lossscale' has no attribute {name!r}")

@@ -53,7 +53,7 @@ def all_finite(tree: Any) -> jax.Array:
   leaves = [x for x in leaves if is_inexact(x)]
   if not leaves:
     return jnp.array(True)
-  if jax.config.jax_debug_nans:
+  if jax.debug_nans.value:
     # `jax.debug_nans` flags every NaN an operation produces, and the fast
     # check below makes one from each inf: check element by element instead.
     flags = [jnp.all(jnp.isfinite(x)) for x in leaves]

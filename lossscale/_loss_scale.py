@@ -267,7 +267,9 @@ def _like(new: Any, old: Any) -> Any:
   The inner optimizer computes from float32 gradients; this keeps its state
   in the dtypes `inner.init(params)` chose (bfloat16 moments stay bfloat16).
   """
-  if jax.tree.structure(new) != jax.tree.structure(old):
+  # `Any`: jaxlib 0.10 ships no stubs for PyTreeDef, which mypy cannot compare.
+  new_def: Any = jax.tree.structure(new)
+  if new_def != jax.tree.structure(old):
     return new
 
   def leaf(n, o):
@@ -309,7 +311,8 @@ def _params_mismatch(fn: str, grads: Any, params: Any) -> str | None:
   """
   if params is None:
     return None
-  g_def, p_def = jax.tree.structure(grads), jax.tree.structure(params)
+  g_def: Any = jax.tree.structure(grads)  # Any: see `_like`
+  p_def = jax.tree.structure(params)
   if g_def != p_def:
     return (
       f"`{fn}`: the gradient tree does not match the params tree the"

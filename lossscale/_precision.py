@@ -182,9 +182,10 @@ def float16_range_report(tree: Any) -> Float16RangeReport:
     zero = jnp.zeros([], jnp.float32)
     return Float16RangeReport(zero, zero, zero, per_leaf)
   n = jnp.float32(total)
+  zero_count = jnp.zeros([], jnp.int32)  # an int32 start keeps `sum` an Array
   return Float16RangeReport(
-    underflow=sum(lost_under).astype(jnp.float32) / n,
-    overflow=sum(lost_over).astype(jnp.float32) / n,
-    subnormal=sum(coarse).astype(jnp.float32) / n,
+    underflow=sum(lost_under, zero_count).astype(jnp.float32) / n,
+    overflow=sum(lost_over, zero_count).astype(jnp.float32) / n,
+    subnormal=sum(coarse, zero_count).astype(jnp.float32) / n,
     per_leaf=per_leaf,
   )

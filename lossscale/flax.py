@@ -95,7 +95,9 @@ class TrainState(train_state.TrainState):
     applied = find_state(new.opt_state).last_finite
 
     def keep_old_on_skip(name: str, old: Any, value: Any) -> Any:
-      old_def, new_def = jax.tree.structure(old), jax.tree.structure(value)
+      # `Any`: jaxlib 0.10 ships no stubs for PyTreeDef, which mypy cannot compare.
+      old_def: Any = jax.tree.structure(old)
+      new_def = jax.tree.structure(value)
       if old_def != new_def:
         raise ValueError(
           f"`TrainState.apply_gradients({name}=...)` must keep the tree"
