@@ -340,7 +340,8 @@ def _params_mismatch(fn: str, grads: Any, params: Any) -> str | None:
 
 def _keeps_types(new: Any, old: Any) -> bool:
   """Whether `new` has `old`'s tree structure and leaf shapes."""
-  if jax.tree.structure(new) != jax.tree.structure(old):
+  new_def: Any = jax.tree.structure(new)  # Any: see `_like`
+  if new_def != jax.tree.structure(old):
     return False
   shapes = lambda t: [getattr(x, "shape", None) for x in jax.tree.leaves(t)]
   return shapes(new) == shapes(old)

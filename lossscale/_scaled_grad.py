@@ -109,7 +109,8 @@ def set_loss_scale(x: T, loss_scale: float) -> T:
   """
   scale = _validation.float32_scale("set_loss_scale", "loss_scale", loss_scale)
   state = find_state(x)
-  old_scale, old_good = state.loss_scale, state.good_steps
+  old_scale: Any = state.loss_scale
+  old_good: Any = state.good_steps
   new_scale = jnp.full(jnp.shape(_unwrap(old_scale)), scale, jnp.float32)
   new_good = jnp.zeros(jnp.shape(_unwrap(old_good)), jnp.int32)
   if _unwrap(old_scale) is not old_scale:  # NNX Variables: set in place

@@ -249,3 +249,22 @@ def test_flax_0_10_optimizer_of_another_model_fails_clearly():
   optimizer = nnx.Optimizer(other, ls.skip_nonfinite(optax.sgd(0.1)), wrt=nnx.Param)
   with pytest.raises(ValueError, match=r"optimizer\.model"):
     ls.flax.nnx_step(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(optimizer, model)
+
+
+def test_set_loss_scale_restarts_an_nnx_optimizers_scale_in_place():
+  # A float32 run (enabled=False) switched to float16: restart the scale.
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), enabled=False)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  assert float(ls.get_loss_scale(optimizer)) == 1.0
+  assert ls.set_loss_scale(optimizer, 256.0) is optimizer
+  assert float(ls.get_loss_scale(optimizer)) == 256.0
+  assert find_state(optimizer).loss_scale.dtype == jnp.float32
+
+  @nnx.jit
+  def restart(optimizer):
+    ls.set_loss_scale(optimizer, 8.0)
+
+  restart(optimizer)
+  assert float(ls.get_loss_scale(optimizer)) == 8.0
+  assert int(_get(find_state(optimizer).good_steps)) == 0
