@@ -354,8 +354,10 @@ def from_dynamic_scale(
       with the wrapper's inner optimizer in the wrapper's place, or, if the
       others hold no arrays (`cross_shard_mean`, `optax.clip`), the inner
       optimizer's state alone.
-    tx: the new optimizer: one loss-scaling wrapper, alone or inside an
-      `optax.chain`.
+    tx: the new optimizer: one `dynamic_loss_scale` wrapper, alone or
+      inside an `optax.chain`. Not one built with `enabled=False` (nor
+      `skip_nonfinite`) unless `dynamic_scale` is None: such a wrapper does
+      not unscale, so a carried-over scale would scale the gradients.
     params: the parameters `tx` is initialized with (only their shapes and
       dtypes are read).
 
