@@ -87,7 +87,7 @@ def _flax_state():
     batch_stats=v["batch_stats"],
     tx=_sgd(),
     dynamic_scale=DynamicScale(
-      growth_interval=G + 1, scale=jnp.float32(S0), fin_steps=jnp.int32(0)
+      growth_interval=G, scale=jnp.float32(S0), fin_steps=jnp.int32(0)
     ),
   )
 
@@ -363,3 +363,99 @@ def test_strict_restore_fails_loudly_and_converts(flax_run, tmp_path):
       tx=target.tx,
       params=target.params,
     )
+
+
+def _small():
+  params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+  old = jax.tree.map(lambda p: p + 0.5, _sgd().init(params))  # nonzero momentum
+  return params, old
+
+
+# The old state the Flax run had for each new tx: sgd's alone, or with
+# clip's (an EmptyState) before it.
+_TXS = {
+  "alone": (_lossscale_tx, lambda old: old),
+  # cross_shard_mean holds no state: the inner optimizer's state alone works.
+  "chain_stateless": (
+    lambda: optax.chain(ls.cross_shard_mean("batch"), _lossscale_tx()),
+    lambda old: old,
+  ),
+  "chain_inside": (
+    lambda: ls.dynamic_loss_scale(optax.chain(optax.clip(1.0), _sgd())),
+    lambda old: (optax.EmptyState(), old),
+  ),
+}
+
+
+@pytest.mark.parametrize("which", sorted(_TXS))
+@pytest.mark.parametrize("form", ["optax", "msgpack"])
+def test_converts_optax_states_and_state_dicts(which, form):
+  params, old = _small()
+  make_tx, old_state_of = _TXS[which]
+  tx = make_tx()
+  ds = DynamicScale(scale=jnp.float32(2.0**20), fin_steps=jnp.int32(5))
+  flax_opt_state = old_state_of(old)
+  if form == "msgpack":
+    ds = serialization.msgpack_restore(serialization.to_bytes(ds))
+    flax_opt_state = serialization.msgpack_restore(
+      serialization.to_bytes(flax_opt_state)
+    )
+  new = ls.flax.from_dynamic_scale(
+    dynamic_scale=ds, opt_state=flax_opt_state, tx=tx, params=params
+  )
+  assert jax.tree.structure(new) == jax.tree.structure(tx.init(params))
+  state = ls.flax.TrainState.create(apply_fn=None, params=params, tx=tx)
+  state = state.replace(opt_state=new)
+  assert state.loss_scale == 2.0**20 and state.loss_scale.dtype == jnp.float32
+  good_steps = optax.tree_utils.tree_get(new, "good_steps")
+  assert good_steps == 5 and good_steps.dtype == jnp.int32
+  assert int(state.skipped_steps) == 0
+  assert_trees_equal(optax.tree_utils.tree_get(new, "trace"), old[0].trace)
+
+
+def test_none_keeps_the_initial_scale():
+  params, old = _small()
+  new = ls.flax.from_dynamic_scale(
+    dynamic_scale=None, opt_state=old, tx=_lossscale_tx(), params=params
+  )
+  assert new.loss_scale == S0 and new.good_steps == 0
+  assert_trees_equal(new.inner_state, old)
+
+
+@pytest.mark.parametrize(
+  ("change", "match"),
+  [
+    (dict(dynamic_scale=DynamicScale(scale=jnp.float32(0.0))), r"`scale`.* got"),
+    (dict(dynamic_scale=DynamicScale(scale=jnp.float32(np.inf))), r"`scale`.*inf"),
+    (dict(dynamic_scale=DynamicScale(scale=jnp.float32(1e-40))), r"`scale`.*normal"),
+    (dict(dynamic_scale=DynamicScale(scale=jnp.ones(8))), r"`scale`.*scalar"),
+    (dict(dynamic_scale=DynamicScale(fin_steps=-1)), r"`fin_steps`.*-1"),
+    (dict(dynamic_scale=DynamicScale(fin_steps=1.5)), r"`fin_steps`.*1.5"),
+    (dict(dynamic_scale={"scale": 1.0}), r"dynamic_scale=.*'scale'\]"),
+    (dict(dynamic_scale=2.0), r"dynamic_scale=.*float"),
+    (dict(opt_state="adam"), r"opt_state=.*missing \['0/trace"),
+    (dict(opt_state="bfloat16"), r"opt_state=.*bfloat16\[2\]"),
+    (
+      dict(opt_state="stacked"),
+      r"opt_state=.*expected float32\[2\], got float32\[8, 2\]",
+    ),
+    (dict(tx=optax.sgd(0.1)), r"tx=.*found 0"),
+  ],
+)
+def test_rejects_what_would_not_continue_the_run(change, match):
+  params, old = _small()
+  with standard_promotion():
+    bad_states = {
+      "adam": optax.adam(1e-3).init(params),
+      "bfloat16": jax.tree.map(lambda x: x.astype(jnp.bfloat16), old),
+      # pmap-replicated, as a state dict
+      "stacked": serialization.to_state_dict(
+        jax.tree.map(lambda x: jnp.stack([x] * 8), old)
+      ),
+    }
+  kwargs = dict(dynamic_scale=DynamicScale(), opt_state=old, tx=_lossscale_tx())
+  kwargs.update(change)
+  if isinstance(kwargs["opt_state"], str):
+    kwargs["opt_state"] = bad_states[kwargs["opt_state"]]
+  with pytest.raises(ValueError, match=match):
+    ls.flax.from_dynamic_scale(params=params, **kwargs)
