@@ -727,7 +727,9 @@ def test_lookahead_inner_matches_bare_lookahead(jit):
 
 
 def test_lookahead_with_apply_gradients_matches_the_composed_step():
-  inner = optax.lookahead(optax.sgd(0.1, momentum=0.9), sync_period=2)
+  inner = optax.lookahead(
+    optax.sgd(0.1, momentum=0.9), sync_period=2, slow_step_size=0.5
+  )
   tx = ls.dynamic_loss_scale(inner, initial_scale=4.0)
   params, grads = _lookahead_problem()
 
