@@ -391,7 +391,9 @@ def _from_state_dict(name: str, template: Any, state: Mapping[str, Any]) -> Any:
 
 def _from_tree(name: str, template: Any, tree: Any) -> Any:
   """`tree`, an optax state, checked against `template` (specs)."""
-  old_def, new_def = jax.tree.structure(tree), jax.tree.structure(template)
+  # `Any`: jaxlib 0.10 ships no stubs for PyTreeDef, which mypy cannot compare.
+  old_def: Any = jax.tree.structure(tree)
+  new_def = jax.tree.structure(template)
   if old_def != new_def:
     raise ValueError(
       f"`{_FROM}({name}=...)` does not have the tree structure of the new"
@@ -406,7 +408,8 @@ def _from_tree(name: str, template: Any, tree: Any) -> Any:
 
 
 def _match(name: str, template: Any, old: Any) -> Any:
-  if jax.tree.structure(old) == jax.tree.structure(template):
+  old_def: Any = jax.tree.structure(old)  # Any: see `_from_tree`
+  if old_def == jax.tree.structure(template):
     return _from_tree(name, template, old)
   # A restored state dict: namedtuples as dicts of fields, tuples and lists
   # (orbax restores a chain's state as a list) as dicts keyed "0", "1", ...
@@ -554,9 +557,8 @@ def from_dynamic_scale(
     is_leaf=_is_loss_scale_state,
   )
   alone = len(jax.tree.leaves(abstract, is_leaf=_is_loss_scale_state)) == 1
-  if alone and jax.tree.structure(unwrapped) != jax.tree.structure(
-    states[0].inner_state
-  ):
+  unwrapped_def: Any = jax.tree.structure(unwrapped)  # Any: see `_from_tree`
+  if alone and unwrapped_def != jax.tree.structure(states[0].inner_state):
     # Stateless transformations beside the wrapper: the inner state alone is
     # accepted too, unless it matches the whole chain's.
     try:
@@ -572,7 +574,7 @@ def from_dynamic_scale(
     unwrapped = _match("opt_state", unwrapped, opt_state)
 
   # The wrapper's initial counters, without building its inner state.
-  counters = jax.jit(lambda p: states_in(tx.init(p))[0]._replace(inner_state=None))(
+  counters = jax.jit(lambda p: states_in(tx.init(p))[0]._replace(inner_state=()))(
     params
   )
   if dynamic_scale is not None:
