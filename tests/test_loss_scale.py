@@ -776,15 +776,20 @@ def test_lookahead_with_wrong_gradients_still_gets_a_clear_error(grads):
   ],
   ids=["dynamic", "static"],
 )
-def test_disabled_is_bitwise_the_bare_optimizer(make):
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
+def test_disabled_is_bitwise_the_bare_optimizer(make, jit, dtype):
   inner = optax.adamw(1e-2)
   tx, enabled = make(inner), ls.dynamic_loss_scale(inner)
   params, (g0, g1, *_) = _problem()
+  params, g0, g1 = jax.tree.map(lambda x: x.astype(dtype), (params, g0, g1))
   grad_seq = [g0, jax.tree.map(lambda g: jnp.full_like(g, INF), g1), g0]
   with standard_promotion():
     state, bare = tx.init(params), inner.init(params)
     assert jax.tree.structure(state) == jax.tree.structure(enabled.init(params))
-    update, bare_update = jax.jit(tx.update), jax.jit(inner.update)
+    update, bare_update = tx.update, inner.update
+    if jit:
+      update, bare_update = jax.jit(update), jax.jit(bare_update)
     for g in grad_seq:  # the inf is not skipped: enabled=False checks nothing
       u, state = update(g, state, params)
       bu, bare = bare_update(g, bare, params)
