@@ -472,7 +472,11 @@ def _wrap(
         _, new_state = jax.eval_shape(apply)
         accepted = _keeps_types(new_state, state.inner_state)
       except Exception as e:
-        raise ValueError(mismatch) from e
+        first_line = (str(e).splitlines() or [""])[0]
+        raise ValueError(
+          f"{mismatch}\n  (the inner optimizer raised {type(e).__name__}:"
+          f" {first_line})"
+        ) from e
       if not accepted:
         raise ValueError(mismatch)
 
