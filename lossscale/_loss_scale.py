@@ -474,8 +474,7 @@ def _wrap(
       except Exception as e:
         first_line = (str(e).splitlines() or [""])[0]
         raise ValueError(
-          f"{mismatch}\n  (the inner optimizer raised {type(e).__name__}:"
-          f" {first_line})"
+          f"{mismatch}\n  (the inner optimizer raised {type(e).__name__}: {first_line})"
         ) from e
       if not accepted:
         raise ValueError(mismatch)
