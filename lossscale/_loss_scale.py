@@ -303,22 +303,34 @@ def _check_state(fn: str, state: Any) -> None:
     )
 
 
-def _params_mismatch(fn: str, grads: Any, params: Any) -> str | None:
-  """Why `grads` does not look like the gradient of `params`, or None.
+def _gradients_tree_in(params: Any, grads: Any) -> Any:
+  """`params`, or the first subtree of it with the gradients' structure
+  (`optax.lookahead`'s `LookaheadParams(fast, slow)` holds two), or None."""
+  g_def: Any = jax.tree.structure(grads)  # Any: see `_like`
+  if g_def == jax.tree.structure(params):
+    return params
+  if g_def.num_leaves > 1:
+    like = lambda x: x is not params and jax.tree.structure(x) == g_def
+    subtrees = [x for x in jax.tree.leaves(params, is_leaf=like) if like(x)]
+    if subtrees:
+      return subtrees[0]
+  return None
+
+
+def _structure_mismatch(fn: str, grads: Any, params: Any) -> str:
+  return (
+    f"`{fn}`: the gradient tree does not match the params tree the"
+    f" optimizer state was built for.\n  gradients: {jax.tree.structure(grads)}"
+    f"\n  params:    {jax.tree.structure(params)}"
+  )
+
+
+def _shape_mismatch(fn: str, grads: Any, params: Any) -> str | None:
+  """Why a leaf of `grads` cannot be the gradient of `params`' leaf, or None.
 
   A gradient may carry leading dimensions the parameter lacks: per-example
   gradients, shaped `(batch, *param.shape)`, as `optax.contrib.dpsgd` takes.
   """
-  if params is None:
-    return None
-  g_def: Any = jax.tree.structure(grads)  # Any: see `_like`
-  p_def = jax.tree.structure(params)
-  if g_def != p_def:
-    return (
-      f"`{fn}`: the gradient tree does not match the params tree the"
-      f" optimizer state was built for.\n  gradients: {g_def}\n  params:   "
-      f" {p_def}"
-    )
   for (path, g), p in zip(
     jax.tree_util.tree_leaves_with_path(grads),
     jax.tree_util.tree_leaves(params),
@@ -429,9 +441,9 @@ def _wrap(
     # Half-precision gradients are unscaled in float32; the inner optimizer
     # then runs in float32 throughout (its state and the params widened too:
     # some optax optimizers cannot mix dtypes), and its state is stored back
-    # in the dtypes it had. Unscaled wrappers (`enabled=False`,
-    # `skip_nonfinite`) hand `inner` the gradients' own dtypes.
-    widened = rule.scaled and any(
+    # in the dtypes it had. `enabled=False` hands `inner` the gradients' own
+    # dtypes: it is exactly `inner`.
+    widened = rule.enabled and any(
       _is_half(x) for x in jax.tree_util.tree_leaves((updates, params))
     )
     inner_params = _widen(params) if widened else params
@@ -441,9 +453,17 @@ def _wrap(
       # it into the inner optimizer, and the check into its reduction, so no
       # param-sized unscaled copy is ever written (sharing one made
       # `lax.cond` take it as a materialized operand).
-      tree = _unscale(numbers_as_arrays(tree), scale, keep_dtype=not rule.scaled)
+      tree = numbers_as_arrays(tree)
       if not rule.enabled:
-        return tree
+        # A `lax.cond`, not a multiply by 1: the gradients themselves on a
+        # fresh state, so the inner optimizer compiles as it does bare (a
+        # multiply by a traced 1 changed XLA's fusion, and the last bits).
+        return jax.lax.cond(
+          scale == 1,
+          lambda: tree,
+          lambda: _unscale(tree, scale, keep_dtype=True),
+        )
+      tree = _unscale(tree, scale)
       # A select, not a multiply: where both branches run (`jax.vmap` with a
       # per-member flag) the inner optimizer sees zeros, never inf or NaN.
       return jax.tree.map(
@@ -462,21 +482,28 @@ def _wrap(
       new_updates, inner_state = inner_update(inner_state)
       return new_updates, _like(inner_state, state.inner_state)
 
-    mismatch = _params_mismatch(fn, updates, params)
-    if mismatch is not None:
-      # Not what a gradient of `params` looks like; but some optimizers take
-      # other params (`optax.lookahead`'s `LookaheadParams`): refuse only
-      # what `inner` itself cannot take, or takes by changing its state's
-      # shapes (broadcasting).
+    target = None if params is None else _gradients_tree_in(params, updates)
+    if rule.enabled and target is not None:
+      mismatch = _shape_mismatch(fn, updates, target)
+      if mismatch is not None:
+        raise ValueError(mismatch)
+    elif rule.enabled and params is not None:
+      # Not the params' tree, nor a tree inside it; but some optimizers take
+      # other params: refuse only what `inner` itself cannot take, or takes
+      # by changing its state's shapes or returning updates `params` cannot
+      # take.
+      mismatch = _structure_mismatch(fn, updates, params)
       try:
-        _, new_state = jax.eval_shape(apply)
-        accepted = _keeps_types(new_state, state.inner_state)
+        new_updates, new_state = jax.eval_shape(apply)
       except Exception as e:
         first_line = (str(e).splitlines() or [""])[0]
         raise ValueError(
           f"{mismatch}\n  (the inner optimizer raised {type(e).__name__}: {first_line})"
         ) from e
-      if not accepted:
+      updates_def: Any = jax.tree.structure(new_updates)  # Any: see `_like`
+      if updates_def != jax.tree.structure(params) or not _keeps_types(
+        new_state, state.inner_state
+      ):
         raise ValueError(mismatch)
 
     if given is None:  # decide only
@@ -696,7 +723,9 @@ def skip_nonfinite(
   """Wraps `inner` to skip steps whose gradients hold an inf or a NaN.
 
   For bfloat16 or float32 training, which needs no loss scaling: gradients
-  reach `inner` as they are, and a non-finite step gives zero updates and
+  reach `inner` unscaled (half-precision ones in float32, and float16
+  parameters get a float32 optimizer state, as with
+  [`lossscale.dynamic_loss_scale`][]), and a non-finite step gives zero updates and
   leaves `inner`'s state bit for bit. Unlike `optax.apply_if_finite` it never
   applies a non-finite update ([`lossscale.check_not_stalled`][] fails
   loudly when every step is skipped). The loss scale is 1: a state restored

@@ -107,6 +107,12 @@ def set_loss_scale(x: T, loss_scale: float) -> T:
     >>> ls.get_loss_scale(state)
     Array(32768., dtype=float32)
   """
+  if isinstance(loss_scale, jax.core.Tracer):
+    raise ValueError(
+      "`set_loss_scale(loss_scale=...)` must be a concrete number (it is"
+      " checked to be a normal float32 on the host), got a traced value. Pass"
+      " a Python float; inside `jax.jit`, close over it."
+    )
   scale = _validation.float32_scale("set_loss_scale", "loss_scale", loss_scale)
   state = find_state(x)
   old_scale: Any = state.loss_scale

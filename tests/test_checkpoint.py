@@ -351,3 +351,5 @@ def test_set_loss_scale_on_train_states_and_ensembles():
       ls.set_loss_scale(states, bad)
   with pytest.raises(ValueError, match="exactly one"):
     ls.set_loss_scale(optax.sgd(0.1).init(jnp.zeros(2)), 2.0)
+  with pytest.raises(ValueError, match=r"concrete number.*traced"):
+    jax.jit(ls.set_loss_scale)(states, 2.0**10)

@@ -14,7 +14,13 @@ import pytest
 
 import _compat
 import lossscale as ls
-from _helpers import INF, NAN, assert_trees_close, standard_promotion
+from _helpers import (
+  INF,
+  NAN,
+  assert_trees_close,
+  assert_trees_equal,
+  standard_promotion,
+)
 
 _SGD_LR = 0.5
 
@@ -39,13 +45,50 @@ def _sgd_tx(initial_scale=4.0):
     ({"a": jnp.ones(2), "b": jnp.ones(4)}, r"\['b'\] has shape \(4,\)"),
   ],
 )
-def test_mismatched_gradients_with_params_raise_early(grads, match, jit):
+@pytest.mark.parametrize("inner", ["adam", "sgd"])
+def test_mismatched_gradients_with_params_raise_early(grads, match, jit, inner):
+  # Even where the inner optimizer would broadcast them (sgd takes any shape).
   params = {"a": jnp.ones(2), "b": jnp.ones(3)}
-  tx = ls.dynamic_loss_scale(optax.adam(0.1))
+  tx = ls.dynamic_loss_scale(getattr(optax, inner)(0.1))
   state = tx.init(params)
   update = jax.jit(tx.update) if jit else tx.update
   with pytest.raises(ValueError, match=match):
     update(grads, state, params)
+  with pytest.raises(ValueError, match=match):
+    ls.apply_gradients(tx, grads, state, params)
+
+
+@pytest.mark.parametrize(
+  "grads, match",
+  [
+    ({"a": jnp.ones(1), "b": jnp.ones(3)}, r"at \['a'\] has shape \(1,\)"),
+    ({"a": jnp.ones(2), "b": jnp.ones(())}, r"at \['b'\] has shape \(\)"),
+    ({"a": jnp.ones(2)}, "gradient tree does not match"),
+  ],
+)
+def test_lookahead_checks_gradients_against_the_fast_params(grads, match):
+  # LookaheadParams(fast, slow): the gradients are those of `fast`, and a
+  # shape that would broadcast into it is still refused.
+  params = optax.LookaheadParams.init_synced({"a": jnp.ones(2), "b": jnp.ones(3)})
+  inner = optax.lookahead(optax.sgd(0.1), sync_period=2, slow_step_size=0.5)
+  tx = ls.dynamic_loss_scale(inner)
+  with standard_promotion(), pytest.raises(ValueError, match=match):
+    jax.jit(tx.update)(grads, tx.init(params), params)
+
+
+def test_disabled_takes_what_the_bare_optimizer_takes():
+  # `enabled=False` is exactly `inner`: `None` gradients of integer leaves
+  # (what `ls.value_and_grad` gives them) pass as they do bare.
+  params = {"w": jnp.ones(3), "n": jnp.arange(3)}
+  inner = optax.rmsprop(0.1)
+  tx = ls.dynamic_loss_scale(inner, enabled=False)
+  state = tx.init(params)
+  _, grads = ls.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(state, params)
+  assert grads["n"] is None
+  updates, new_state = tx.update(grads, state, params)
+  bare_updates, bare_state = inner.update(grads, inner.init(params), params)
+  assert_trees_equal(updates, bare_updates)
+  assert_trees_equal(new_state.inner_state, bare_state)
 
 
 def test_mismatched_gradients_without_params():

@@ -239,16 +239,28 @@ def test_apply_gradients_with_a_stateful_transform_after_the_wrapper():
 SMALL_STEPS = 200
 
 
+_WRAPPERS = {
+  "dynamic": lambda inner: ls.dynamic_loss_scale(
+    inner, initial_scale=SCALE, growth_interval=10**6
+  ),
+  "skip_nonfinite": ls.skip_nonfinite,
+}
+_SMALL_CASES = [("dynamic", name) for name in OPTIMIZERS] + [
+  ("skip_nonfinite", name) for name in ("adam", "adamw", "adafactor", "lion")
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_float16_params_with_small_gradients_follow_the_float32_run(name):
+@pytest.mark.parametrize("wrapper, name", _SMALL_CASES)
+def test_float16_params_with_small_gradients_follow_the_float32_run(wrapper, name):
   # Adam's second moment of a gradient below 7.7e-3 is 0 in float16: a
   # float16 optimizer state took steps up to 13x too large. The wrapper keeps
   # float32 state for float16 parameters, so a few hundred steps of small
   # gradients update like the bare optimizer run in float32 on the same
   # parameters (kept fixed, so both runs see the same ones).
   inner = OPTIMIZERS[name]
-  tx = ls.dynamic_loss_scale(inner, initial_scale=SCALE, growth_interval=10**6)
+  tx = _WRAPPERS[wrapper](inner)
+  scale = SCALE if wrapper == "dynamic" else 1.0
   params16 = _params(jnp.float16)
   params32 = _as(params16, jnp.float32)
   keys = jax.random.split(jax.random.key(2), SMALL_STEPS)
@@ -261,7 +273,8 @@ def test_float16_params_with_small_gradients_follow_the_float32_run(name):
   @jax.jit
   def wrapped_run(state):
     def step(state, g):
-      updates, state = tx.update(_scaled(g), state, params16)
+      g = jax.tree.map(lambda x: (x.astype(jnp.float32) * scale).astype(x.dtype), g)
+      updates, state = tx.update(g, state, params16)
       return state, updates
 
     return jax.lax.scan(step, state, true16)[1]

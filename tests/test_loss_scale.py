@@ -779,12 +779,22 @@ def test_lookahead_with_wrong_gradients_still_gets_a_clear_error(grads):
 )
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=str)
-def test_disabled_is_bitwise_the_bare_optimizer(make, jit, dtype):
-  inner = optax.adamw(1e-2)
+@pytest.mark.parametrize("name", ["adamw", "rmsprop", "nesterov"])
+def test_disabled_is_bitwise_the_bare_optimizer(make, jit, dtype, name):
+  inner = {
+    "adamw": optax.adamw(1e-2),
+    "rmsprop": optax.rmsprop(1e-2),
+    "nesterov": optax.sgd(0.1, momentum=0.9, nesterov=True),
+  }[name]
   tx, enabled = make(inner), ls.dynamic_loss_scale(inner)
-  params, (g0, g1, *_) = _problem()
-  params, g0, g1 = jax.tree.map(lambda x: x.astype(dtype), (params, g0, g1))
-  grad_seq = [g0, jax.tree.map(lambda g: jnp.full_like(g, INF), g1), g0]
+  params, (g0, g1, g2, g3, *_) = _problem()
+  params, g0, g1, g2, g3 = jax.tree.map(
+    lambda x: x.astype(dtype), (params, g0, g1, g2, g3)
+  )
+  # Several finite steps (Adam's moments differ in the last bits from the
+  # second step when the compiled step is not the bare one), and an inf.
+  inf = jax.tree.map(lambda g: jnp.full_like(g, INF), g1)
+  grad_seq = [g0, g1, g2, inf, g3]
   with standard_promotion():
     state, bare = tx.init(params), inner.init(params)
     assert jax.tree.structure(state) == jax.tree.structure(enabled.init(params))
