@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale import _axes, _compat, _validation
+from lossscale import _axes, _compat, _once, _validation
 from lossscale._finite import all_finite, is_inexact, numbers_as_arrays
 
 DECISION = "lossscale_finite"
@@ -328,6 +328,8 @@ def _wrap(
   """Builds the wrapper; the one place the skip-and-adjust logic lives."""
   _check_inner(fn, inner)
   inner = optax.with_extra_args_support(inner)
+  # Traced once per step however often a step asks for it (lossscale/_once.py).
+  inner_update = _once.once(lambda u, s, p, e: inner.update(u, s, p, **e))
 
   def init_fn(params):
     inner_state = inner.init(params)
@@ -355,7 +357,7 @@ def _wrap(
     if not rule.enabled:
       if isinstance(given, Decision):
         updates = given.incoming
-      step = lambda: inner.update(updates, state.inner_state, params, **extra_args)
+      step = lambda: inner_update(updates, state.inner_state, params, extra_args)
       if given is None:
         decision = Decision(jnp.ones([], jnp.bool_), state, updates)
         return _zeros(jax.eval_shape(step)[0]), decision
@@ -401,8 +403,8 @@ def _wrap(
         unscaled(),
       )
       inner_state = _widen(state.inner_state) if widened else state.inner_state
-      new_updates, inner_state = inner.update(
-        safe, inner_state, inner_params, **extra_args
+      new_updates, inner_state = inner_update(
+        safe, inner_state, inner_params, extra_args
       )
       return new_updates, _like(inner_state, state.inner_state)
 
@@ -428,7 +430,10 @@ def _wrap(
       **_next_counters(rule, state, finite), inner_state=inner_state
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # Called eagerly, a step compiles once per argument types (lossscale/_once.py).
+  return optax.GradientTransformationExtraArgs(
+    init_fn, _once.compiled_when_eager(update_fn)
+  )
 
 
 def dynamic_loss_scale(
