@@ -657,3 +657,23 @@ def test_integer_parameters_with_float0_gradients_are_kept():
     skipped_params, new_state = apply(tx, bad, state, params)
     assert_trees_equal(skipped_params, params)
     assert int(new_state.skipped_steps) == 1
+
+
+def test_step_holds_no_reduction_per_leaf():
+  # A reduction per leaf (the finite check's) made XLA compile a
+  # thousand-leaf step for minutes (docs/performance.md, "How cost grows"):
+  # both steps reduce small leaves of one size together.
+  params = {f"l{i:03d}": jnp.zeros((4, 16) if i % 2 else (64,)) for i in range(640)}
+  tx = ls.dynamic_loss_scale(optax.adamw(1e-3))
+
+  def fused(p, s, g):
+    return ls.apply_gradients(tx, g, s, p)
+
+  def composed(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  for step in (fused, composed):
+    with standard_promotion():
+      text = jax.jit(step).lower(params, tx.init(params), params).as_text()
+    assert len(re.findall(r"stablehlo\.reduce\b", text)) <= len(params) // 32 + 2
