@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import optax
 
-from lossscale import _axes
+from lossscale import _axes, _once
 from lossscale._loss_scale import DECISION, Decision, _is_state, _like, states_in
 
 _is_decision = lambda x: isinstance(x, Decision)
@@ -183,6 +183,10 @@ def apply_gradients(
       "`apply_gradients(tx=...)` must be an optax.GradientTransformation,"
       f" got {type(tx).__name__} instead."
     )
+  return _step(tx, grads, opt_state, params, **extra_args)
+
+
+def _apply_gradients(tx, grads, opt_state, params, **extra_args):
   decision = _decide(tx, grads, opt_state, params, extra_args)
 
   def applied():
@@ -206,3 +210,8 @@ def apply_gradients(
   return _axes.cond(
     decision.finite, applied, skipped, operands=(grads, opt_state, params)
   )
+
+
+# Called eagerly, the step compiles once per `tx` and argument types
+# (lossscale/_once.py); `tx`'s functions are static, compared by identity.
+_step = _once.compiled_when_eager(_apply_gradients)

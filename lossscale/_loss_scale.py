@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale import _axes, _compat, _validation
+from lossscale import _axes, _compat, _once, _validation
 from lossscale._finite import all_finite, is_inexact, numbers_as_arrays
 
 DECISION = "lossscale_finite"
@@ -398,6 +398,11 @@ def _wrap(
   """Builds the wrapper; the one place the skip-and-adjust logic lives."""
   _check_inner(fn, inner)
   inner = optax.with_extra_args_support(inner)
+  # Traced once per step however often a step asks for it (lossscale/_once.py);
+  # `enabled=False` calls `inner` as it is, to be exactly it, eagerly too.
+  run_inner = lambda u, s, p, e: inner.update(u, s, p, **e)
+  if rule.enabled:
+    run_inner = _once.once(run_inner)
 
   def init_fn(params):
     # float16 optimizer state underflows (Adam's second moment is 0 for any
@@ -458,6 +463,8 @@ def _wrap(
         # A `lax.cond`, not a multiply by 1: the gradients themselves on a
         # fresh state, so the inner optimizer compiles as it does bare (a
         # multiply by a traced 1 changed XLA's fusion, and the last bits).
+        if not isinstance(scale, jax.core.Tracer):  # eager: decided here
+          return tree if scale == 1 else _unscale(tree, scale, keep_dtype=True)
         return jax.lax.cond(
           scale == 1,
           lambda: tree,
@@ -475,7 +482,7 @@ def _wrap(
       extra = {
         k: unscaled(v) if k in GRADIENT_EXTRA_ARGS else v for k, v in extra_args.items()
       }
-      return inner.update(unscaled(updates), inner_state, inner_params, **extra)
+      return run_inner(unscaled(updates), inner_state, inner_params, extra)
 
     def apply():
       inner_state = _widen(state.inner_state) if widened else state.inner_state
@@ -528,6 +535,12 @@ def _wrap(
       **_next_counters(rule, state, finite), inner_state=inner_state
     )
 
+  # Called eagerly, a step compiles once per argument types (lossscale/_once.py);
+  # `enabled=False` runs `inner` op by op, as the bare optimizer runs.
+  if rule.enabled:
+    return optax.GradientTransformationExtraArgs(
+      init_fn, _once.compiled_when_eager(update_fn)
+    )
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

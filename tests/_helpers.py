@@ -196,3 +196,27 @@ def collectives(hlo_text):
     shape = re.sub(r"\{[^}]*\}", "", shape).strip("()")
     found[op, tuple(sorted(s.strip() for s in shape.split(", ")))] += 1
   return found
+
+
+# ---------------------------------------------------------------------------
+# Counting XLA compilations (the same event on the newest and oldest JAX).
+
+_COMPILATIONS = []
+jax.monitoring.register_event_duration_secs_listener(
+  lambda event, *_, **__: (
+    _COMPILATIONS.append(event)
+    if event == "/jax/core/compile/backend_compile_duration"
+    else None
+  )
+)
+
+
+class CompilationCounter:
+  """How many XLA compilations happened since it was made (`.count`)."""
+
+  def __init__(self):
+    self._start = len(_COMPILATIONS)
+
+  @property
+  def count(self):
+    return len(_COMPILATIONS) - self._start

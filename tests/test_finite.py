@@ -64,3 +64,47 @@ def test_all_finite_checks_python_and_numpy_scalars():
   for bad in (float("nan"), float("inf"), complex(0, float("inf")), np.float16(np.inf)):
     assert not bool(ls.all_finite({"w": jnp.ones(2), "loss": bad}))
     assert not bool(jax.jit(ls.all_finite)({"w": jnp.ones(2), "loss": bad}))
+
+
+def _many_leaves():
+  """Leaves the check groups (many of one size, in more than one group of
+  32), leaves of other dtypes and sizes, and one leaf large enough for a
+  reduction of its own."""
+  tree = {f"s{i:02d}": jnp.ones((2, 4) if i % 2 else (8,)) for i in range(70)}
+  tree.update(
+    big=jnp.ones(70_000),
+    half=jnp.ones((3,), jnp.bfloat16),
+    f16=jnp.ones((8,), jnp.float16),
+    c=jnp.ones(3, jnp.complex64),
+    scalar=jnp.ones(()),
+    empty=jnp.ones(0),
+    i=jnp.arange(3),
+  )
+  return tree
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan, complex(0, np.inf)])
+def test_all_finite_finds_a_bad_element_in_any_leaf_of_a_group(bad):
+  tree = _many_leaves()
+  check = jax.jit(ls.all_finite)
+  assert bool(check(tree))
+  for key, x in tree.items():
+    if x.size == 0 or not jnp.issubdtype(x.dtype, jnp.inexact):
+      continue
+    if isinstance(bad, complex) and not jnp.iscomplexobj(x):
+      continue
+    flat = x.reshape(-1)
+    for at in {0, flat.size - 1}:
+      bad_tree = dict(tree, **{key: flat.at[at].set(bad).reshape(x.shape)})
+      assert not bool(check(bad_tree)), (key, at)
+
+
+def test_all_finite_reduces_small_leaves_together():
+  # A reduction per leaf made a thousand-leaf step compile for minutes
+  # (docs/performance.md, "How cost grows"): leaves of one size and dtype
+  # are added up elementwise, 32 at a time, and reduced once.
+  tree = {f"l{i:03d}": jnp.ones((4, 16) if i % 3 else (64,)) for i in range(640)}
+  tree["own"] = jnp.ones(70_000)  # large: reduced on its own
+  jaxpr = jax.make_jaxpr(ls.all_finite)(tree)
+  reductions = [e for e in jaxpr.eqns if e.primitive.name == "reduce_sum"]
+  assert len(reductions) == 640 // 32 + 1

@@ -1,0 +1,103 @@
+"""Tracing a function once per argument types, however often it is called.
+
+A wrapper's step traces its inner optimizer where it needs its output
+shapes (`jax.eval_shape`, for a skipped step's zero updates) and again where
+it runs it (a branch of `lax.cond`, or the second pass of
+`apply_gradients`). Tracing an optimizer costs milliseconds per parameter
+leaf, so tracing it once matters for models with thousands of leaves.
+`once(fn)` routes every call through one `jax.jit` of `fn`: JAX caches the
+trace by the arguments' types, so later calls with the same types (under
+`eval_shape`, inside `lax.cond`, in another pass, in the next eager step)
+reuse it, and a call outside any trace runs compiled code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from lossscale._finite import numbers_as_arrays
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _key(x: Any) -> Any:
+  # Python numbers by their exact spelling: `0.0 == -0.0` and `1 == 1.0 ==
+  # True`, but a trace that baked one in is not a trace for the other.
+  if isinstance(x, (bool, int, float, complex)):
+    return type(x), repr(x)
+  return type(x), x
+
+
+class _Static:
+  """What `jax.jit` sees as one static argument: the arguments' tree
+  structure and every leaf that is not an array (Python numbers, callables
+  such as `optax.lbfgs`'s `value_fn`), compared by value."""
+
+  def __init__(self, treedef: Any, is_array: tuple[bool, ...], values: list[Any]):
+    self.treedef, self.is_array, self.values = treedef, is_array, values
+    self._key = (treedef, is_array, tuple(_key(v) for v in values))
+    self._hash = hash(self._key)  # TypeError when a leaf is not hashable
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Static) and self._key == other._key
+
+
+def once(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn`, traced once per argument types (see the module docstring).
+
+  The arrays among the leaves of `fn`'s arguments are traced; every other
+  leaf is static. A call with a leaf that is neither an array nor hashable
+  runs `fn` as it is.
+  """
+
+  def call(static: _Static, arrays: list[Any]) -> Any:
+    it = iter(arrays)
+    values = iter(static.values)
+    leaves = [next(it) if a else next(values) for a in static.is_array]
+    return fn(*jax.tree_util.tree_unflatten(static.treedef, leaves))
+
+  jitted = jax.jit(call, static_argnums=0)
+
+  def traced_once(*args: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    is_array = tuple(_is_array(x) for x in leaves)
+    try:
+      static = _Static(
+        treedef, is_array, [x for x, a in zip(leaves, is_array, strict=True) if not a]
+      )
+    except TypeError:
+      return fn(*args)
+    return jitted(static, [x for x, a in zip(leaves, is_array, strict=True) if a])
+
+  return traced_once
+
+
+def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """`fn`, compiled once per argument types when called outside any trace.
+
+  Called eagerly (no argument is a tracer), a step built op by op would
+  also build its `lax.cond` from fresh closures, which JAX compiles anew on
+  every call; through `once` it is traced and compiled on the first call of
+  each argument types only. Inside a trace (`jax.jit`, `jax.vmap`, ...)
+  `fn` runs as it is.
+  """
+  compiled = once(lambda args, kwargs: fn(*args, **kwargs))
+
+  def maybe_compiled(*args: Any, **kwargs: Any) -> Any:
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    if any(isinstance(x, jax.core.Tracer) for x in leaves):
+      return fn(*args, **kwargs)
+    # Python floats as arrays, as `jax.jit` passes them: not one compilation
+    # per value.
+    return compiled(*numbers_as_arrays((args, kwargs)))
+
+  return maybe_compiled

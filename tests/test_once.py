@@ -1,0 +1,125 @@
+"""Tests of tracing once and of eager steps compiled once (lossscale/_once.py)."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import lossscale as ls
+from _helpers import CompilationCounter, assert_trees_close, standard_promotion
+
+INF, NAN = float("inf"), float("nan")
+
+WRAPPERS = {
+  "dynamic": lambda inner: ls.dynamic_loss_scale(inner, initial_scale=4.0),
+  "static": lambda inner: ls.static_loss_scale(inner, 4.0),
+  "skip_nonfinite": ls.skip_nonfinite,
+  "disabled": lambda inner: ls.dynamic_loss_scale(inner, enabled=False),
+}
+
+
+def _params():
+  return {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.zeros(4)}
+
+
+def _grads(i, bad=None):
+  g = jax.tree.map(lambda x: x * 0.0 + 0.5 * (i + 1), _params())
+  if bad is not None:
+    g["w"] = g["w"].at[1, 2].set(bad)
+  return g
+
+
+_BAD = [None, INF, None, NAN, None, None]
+
+
+def _eager_and_jitted(step, state, params):
+  """Runs `step` eagerly (counting compilations after the first call) and
+  jitted, over `_BAD`; returns both results and the count."""
+  with standard_promotion():
+    out = {}
+    for name, fn in [("jitted", jax.jit(step)), ("eager", step)]:
+      p, s = fn(_grads(0), state, params)  # the first call compiles
+      counter = CompilationCounter()
+      for i, bad in enumerate(_BAD):
+        p, s = fn(_grads(i, bad), s, p)
+      out[name] = (p, s), counter.count
+  return out["eager"][0], out["jitted"][0], out["eager"][1]
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_eager_update_compiles_only_on_its_first_call(name):
+  tx = WRAPPERS[name](optax.adam(0.1))
+
+  def step(g, s, p):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  eager, jitted, compilations = _eager_and_jitted(step, tx.init(_params()), _params())
+  assert compilations == 0
+  assert_trees_close(eager, jitted)
+  if name in ("dynamic", "static", "skip_nonfinite"):
+    assert int(eager[1].skipped_steps) == 2
+
+
+def test_eager_apply_gradients_compiles_only_on_its_first_call():
+  tx = optax.chain(
+    optax.clip_by_global_norm(1e3),
+    ls.dynamic_loss_scale(optax.adamw(0.1), initial_scale=4.0, growth_interval=2),
+  )
+
+  def step(g, s, p):
+    return ls.apply_gradients(tx, g, s, p)
+
+  eager, jitted, compilations = _eager_and_jitted(step, tx.init(_params()), _params())
+  assert compilations == 0
+  assert_trees_close(eager, jitted)
+  assert int(eager[1][1].skipped_steps) == 2
+
+
+def test_eager_extra_arguments_callables_and_python_numbers():
+  # optax.lbfgs takes a callable (`value_fn`): static, compared by identity;
+  # Python floats are passed as arrays, so a new value compiles nothing.
+  def loss(p):
+    return jnp.sum((p["w"] - 1.0) ** 2) + jnp.sum(p["b"] ** 2)
+
+  tx = ls.static_loss_scale(optax.lbfgs(), 16.0)
+  params = _params()
+  state = tx.init(params)
+  value_and_grad = jax.jit(jax.value_and_grad(loss))
+  with standard_promotion():
+    for i in range(4):
+      if i == 1:
+        counter = CompilationCounter()
+      value, g = value_and_grad(params)
+      scaled = jax.tree.map(lambda x: 16.0 * x, g)
+      extra = dict(value=float(value), grad=g, value_fn=loss)
+      params, state = ls.apply_gradients(tx, scaled, state, params, **extra)
+  assert counter.count == 0
+  assert float(loss(params)) < 1e-3
+
+  scalar = ls.static_loss_scale(optax.sgd(1.0), 2.0)
+  s = scalar.init(jnp.zeros(()))
+  scalar.update(1.0, s)
+  counter = CompilationCounter()
+  u, _ = scalar.update(3.0, s)
+  assert counter.count == 0
+  assert float(u) == -1.5
+
+
+def test_unhashable_static_argument_runs_uncompiled():
+  class Unhashable:
+    __hash__ = None
+
+  seen = []
+
+  def record(updates, state, params=None, *, tag=None):
+    seen.append(tag)
+    return updates, state
+
+  inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), record)
+  tx = ls.skip_nonfinite(inner)
+  state = tx.init(jnp.zeros(2))
+  tag = Unhashable()
+  u, _ = tx.update(jnp.ones(2), state, tag=tag)
+  assert seen and all(t is tag for t in seen)
+  assert u.tolist() == [1.0, 1.0]
