@@ -101,7 +101,6 @@ class _Rule:
   """Fixed settings of the state machine (closure, never state)."""
 
   initial_scale: float
-  scaled: bool  # False: `skip_nonfinite`, gradients are used as they are.
   dynamic: bool
   enabled: bool = True  # False: exactly `inner`, no scaling, no skipping.
   growth_interval: int = 1
@@ -656,7 +655,6 @@ def dynamic_loss_scale(
     )
   rule = _Rule(
     initial_scale=initial_scale,
-    scaled=True,
     dynamic=True,
     growth_interval=v.positive_int(fn, "growth_interval", growth_interval),
     growth_factor=v.at_least_one(fn, "growth_factor", growth_factor),
@@ -674,7 +672,7 @@ def dynamic_loss_scale(
 def _build(fn, inner, rule, axis_name, enabled):
   axis_name = _axes.validate_axis_name(fn, axis_name)
   if not _validation.boolean(fn, "enabled", enabled):
-    rule = _Rule(initial_scale=1.0, scaled=False, dynamic=False, enabled=False)
+    rule = _Rule(initial_scale=1.0, dynamic=False, enabled=False)
   return _wrap(fn, inner, rule, axis_name)
 
 
@@ -722,9 +720,7 @@ def static_loss_scale(
   """
   fn = "static_loss_scale"
   scale = _validation.float32_scale(fn, "loss_scale", loss_scale)
-  rule = _Rule(
-    initial_scale=scale, scaled=True, dynamic=False, min_scale=scale, max_scale=scale
-  )
+  rule = _Rule(initial_scale=scale, dynamic=False, min_scale=scale, max_scale=scale)
   return _build(fn, inner, rule, axis_name, enabled)
 
 
@@ -770,5 +766,5 @@ def skip_nonfinite(
     TensorFlow `LossScaleOptimizer` (skipping non-finite steps).
   """
   fn = "skip_nonfinite"
-  rule = _Rule(initial_scale=1.0, scaled=False, dynamic=False)
+  rule = _Rule(initial_scale=1.0, dynamic=False)
   return _build(fn, inner, rule, axis_name, True)
