@@ -308,12 +308,9 @@ def _gradients_tree_in(params: Any, grads: Any) -> Any:
   g_def: Any = jax.tree.structure(grads)  # Any: see `_like`
   if g_def == jax.tree.structure(params):
     return params
-  if g_def.num_leaves > 1:
-    like = lambda x: x is not params and jax.tree.structure(x) == g_def
-    subtrees = [x for x in jax.tree.leaves(params, is_leaf=like) if like(x)]
-    if subtrees:
-      return subtrees[0]
-  return None
+  like = lambda x: x is not params and jax.tree.structure(x) == g_def
+  subtrees = [x for x in jax.tree.leaves(params, is_leaf=like) if like(x)]
+  return subtrees[0] if subtrees else None
 
 
 def _structure_mismatch(fn: str, grads: Any, params: Any) -> str:
@@ -347,6 +344,56 @@ def _shape_mismatch(fn: str, grads: Any, params: Any) -> str | None:
         " dimension before it)."
       )
   return None
+
+
+def _leading_dims_at(grads: Any, params: Any) -> str | None:
+  """The path of the first gradient with leading (per-example) dimensions."""
+  for (path, g), p in zip(
+    jax.tree_util.tree_leaves_with_path(grads),
+    jax.tree_util.tree_leaves(params),
+    strict=True,
+  ):
+    g_shape, p_shape = getattr(g, "shape", None), getattr(p, "shape", None)
+    if g_shape is not None and p_shape is not None and g_shape != p_shape:
+      return f"{jax.tree_util.keystr(path) or 'the root'} has shape {g_shape}"
+  return None
+
+
+def _check_gradients(
+  fn: str, grads: Any, params: Any, inner_state: Any, apply: Any
+) -> None:
+  """Raises a clear `ValueError` when `grads` cannot be the gradient of
+  `params` for the inner optimizer (`apply` runs it, under `eval_shape`)."""
+  target = _gradients_tree_in(params, grads)
+  if target is not None:
+    mismatch = _shape_mismatch(fn, grads, target)
+    if mismatch is not None:
+      raise ValueError(mismatch)
+    at = _leading_dims_at(grads, target)
+    if at is None:
+      return
+    mismatch = (
+      f"`{fn}`: the gradient at {at}, with leading dimensions before its"
+      " parameter's shape: per-example gradients, which the inner optimizer"
+      " does not take (it would broadcast them into its state or updates)."
+      " Use an optimizer that takes them (optax.contrib.dpsgd), or reduce"
+      " them first."
+    )
+  else:
+    mismatch = _structure_mismatch(fn, grads, params)
+  # Some optimizers take other params (`optax.lookahead`), or per-example
+  # gradients (`optax.contrib.dpsgd`): refuse only what `inner` itself cannot
+  # take, or takes by changing its state's shapes or returning updates that
+  # do not fit `params`.
+  try:
+    new_updates, new_state = jax.eval_shape(apply)
+  except Exception as e:
+    first_line = (str(e).splitlines() or [""])[0]
+    raise ValueError(
+      f"{mismatch}\n  (the inner optimizer raised {type(e).__name__}: {first_line})"
+    ) from e
+  if not (_keeps_types(new_updates, params) and _keeps_types(new_state, inner_state)):
+    raise ValueError(mismatch)
 
 
 def _keeps_types(new: Any, old: Any) -> bool:
@@ -488,29 +535,8 @@ def _wrap(
       new_updates, inner_state = inner_update(inner_state)
       return new_updates, _like(inner_state, state.inner_state)
 
-    target = None if params is None else _gradients_tree_in(params, updates)
-    if rule.enabled and target is not None:
-      mismatch = _shape_mismatch(fn, updates, target)
-      if mismatch is not None:
-        raise ValueError(mismatch)
-    elif rule.enabled and params is not None:
-      # Not the params' tree, nor a tree inside it; but some optimizers take
-      # other params: refuse only what `inner` itself cannot take, or takes
-      # by changing its state's shapes or returning updates `params` cannot
-      # take.
-      mismatch = _structure_mismatch(fn, updates, params)
-      try:
-        new_updates, new_state = jax.eval_shape(apply)
-      except Exception as e:
-        first_line = (str(e).splitlines() or [""])[0]
-        raise ValueError(
-          f"{mismatch}\n  (the inner optimizer raised {type(e).__name__}: {first_line})"
-        ) from e
-      updates_def: Any = jax.tree.structure(new_updates)  # Any: see `_like`
-      if updates_def != jax.tree.structure(params) or not _keeps_types(
-        new_state, state.inner_state
-      ):
-        raise ValueError(mismatch)
+    if rule.enabled and params is not None:
+      _check_gradients(fn, updates, params, state.inner_state, apply)
 
     if given is None:  # decide only
       skipped = LossScaleState(
@@ -585,7 +611,9 @@ def dynamic_loss_scale(
   a float32 state (float16 moments underflow: Adam's second moment is 0 for
   any |g| < 7.7e-3). The updates come out as `inner` computes them, in
   float32. Gradient-valued extra arguments (`grad=`, as `optax.lbfgs`'s line
-  search takes) are unscaled like the gradients. With `axis_name`
+  search takes) are unscaled like the gradients. Called outside `jax.jit`,
+  `update` runs compiled, once per argument types, with `jax.jit`'s
+  semantics ([Performance][how-cost-grows]). With `axis_name`
   the finite flag is reduced over that mapped axis, so all replicas skip
   together; without it they still agree when the gradients were averaged
   first ([`lossscale.cross_shard_mean`][]; see [Data-parallel

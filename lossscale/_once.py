@@ -13,6 +13,8 @@ reuse it, and a call outside any trace runs compiled code.
 
 from __future__ import annotations
 
+import collections
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +22,10 @@ import jax
 import numpy as np
 
 from lossscale._finite import numbers_as_arrays
+
+# How many static parts (tree structures, non-array values such as a `tx`
+# or a `value_fn`) keep their compiled step.
+_KEPT = 8
 
 
 def _is_array(x: Any) -> bool:
@@ -65,7 +71,10 @@ def once(fn: Callable[..., Any]) -> Callable[..., Any]:
     leaves = [next(it) if a else next(values) for a in static.is_array]
     return fn(*jax.tree_util.tree_unflatten(static.treedef, leaves))
 
-  jitted = jax.jit(call, static_argnums=0)
+  # One `jax.jit` per static part, the most recently used few kept: a jit's
+  # cache would keep every static value it saw (a new `value_fn` closure
+  # each step, and what it captured) for the life of the process.
+  jitted: collections.OrderedDict[_Static, Any] = collections.OrderedDict()
 
   def traced_once(*args: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(args)
@@ -76,7 +85,14 @@ def once(fn: Callable[..., Any]) -> Callable[..., Any]:
       )
     except TypeError:
       return fn(*args)
-    return jitted(static, [x for x, a in zip(leaves, is_array, strict=True) if a])
+    compiled = jitted.get(static)
+    if compiled is None:
+      compiled = jitted[static] = jax.jit(functools.partial(call, static))
+      while len(jitted) > _KEPT:
+        jitted.popitem(last=False)
+    else:
+      jitted.move_to_end(static)
+    return compiled([x for x, a in zip(leaves, is_array, strict=True) if a])
 
   return traced_once
 

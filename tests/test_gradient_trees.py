@@ -348,3 +348,32 @@ def test_python_float_leaves_are_unscaled_eagerly_as_under_jit():
   for step in (ls.apply_gradients, jax.jit(ls.apply_gradients, static_argnums=0)):
     new_params, _ = step(tx, grads, state, params)
     np.testing.assert_array_equal(new_params["b"], 0.0)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_lookahead_with_one_leaf_refuses_a_broadcasting_gradient(jit):
+  params = optax.LookaheadParams({"w": jnp.arange(3.0)}, {"w": jnp.arange(3.0)})
+  inner = optax.lookahead(optax.adam(0.1), sync_period=2, slow_step_size=0.5)
+  tx = ls.dynamic_loss_scale(inner, initial_scale=2.0)
+  update = jax.jit(tx.update) if jit else tx.update
+  with standard_promotion():
+    with pytest.raises(ValueError, match=r"at \['w'\] has shape \(1,\)"):
+      update({"w": jnp.array([2.0])}, tx.init(params), params)
+    with pytest.raises(ValueError, match=r"at \['w'\] has shape \(1,\)"):
+      ls.apply_gradients(tx, {"w": jnp.array([2.0])}, tx.init(params), params)
+
+
+@pytest.mark.parametrize("inner", ["adam", "sgd"])
+def test_leading_dimensions_for_an_optimizer_that_does_not_take_them(inner):
+  # A leading dimension is taken for per-example gradients only where the
+  # inner optimizer takes them (optax.contrib.dpsgd); adam would broadcast
+  # it into its moments, sgd into the updates.
+  params = {"w": jnp.ones(3)}
+  tx = ls.dynamic_loss_scale(getattr(optax, inner)(0.1))
+  state = tx.init(params)
+  with standard_promotion():
+    for grads in ({"w": jnp.ones((1, 3))}, {"w": jnp.ones((2, 3))}):
+      with pytest.raises(ValueError, match=r"per-example gradients"):
+        tx.update(grads, state, params)
+      with pytest.raises(ValueError, match=r"per-example gradients"):
+        jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(grads, state, params)

@@ -123,3 +123,45 @@ def test_unhashable_static_argument_runs_uncompiled():
   u, _ = tx.update(jnp.ones(2), state, tag=tag)
   assert seen and all(t is tag for t in seen)
   assert u.tolist() == [1.0, 1.0]
+
+
+def test_eager_steps_keep_only_a_few_static_arguments_alive():
+  # A new `value_fn` closure every step (and what it captures), or a new
+  # `tx` every call: the compiled steps kept for them are bounded, not one
+  # per step for the life of the process.
+  import gc
+  import weakref
+
+  class Captured:
+    pass
+
+  def f(w):
+    return jnp.sum((w - 1.0) ** 2)
+
+  tx = ls.static_loss_scale(optax.lbfgs(), 4.0)
+  w = jnp.zeros(3)
+  state = tx.init(w)
+  refs = []
+  with standard_promotion():
+    for _ in range(20):
+      captured = Captured()
+      refs.append(weakref.ref(captured))
+      value_fn = lambda p, c=captured: f(p)
+      v, g = ls.value_and_grad(value_fn)(state, w)
+      u, state = tx.update(g, state, w, value=v, grad=g, value_fn=value_fn)
+      w = optax.apply_updates(w, u)
+      del captured, value_fn
+    txs = []
+    for _ in range(20):
+      captured = Captured()
+      refs.append(weakref.ref(captured))
+      fresh = ls.dynamic_loss_scale(optax.sgd(lambda count, c=captured: 0.1))
+      ls.apply_gradients(
+        fresh, {"w": jnp.ones(2)}, fresh.init({"w": jnp.ones(2)}), {"w": jnp.ones(2)}
+      )
+      del captured, fresh
+    del txs
+  gc.collect()
+  alive = sum(r() is not None for r in refs)
+  assert alive <= 20, f"{alive} of 40 captured objects still alive"
+  assert float(f(w)) < float(f(jnp.zeros(3)))
