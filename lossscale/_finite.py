@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Leaves larger than this are reduced one by one: XLA:CPU runs independent
 # reductions side by side, and one kernel reading several large arrays is
@@ -16,6 +17,11 @@ import jax.numpy as jnp
 # milliseconds of compilation each, which dominated a thousand-leaf step.
 _OWN_REDUCTION = 1 << 16
 _GROUP = 32
+
+
+def is_array(x: Any) -> bool:
+  """True for JAX arrays (tracers included) and NumPy arrays and scalars."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def is_inexact(x: Any) -> bool:

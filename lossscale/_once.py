@@ -19,17 +19,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
-from lossscale._finite import numbers_as_arrays
+from lossscale._finite import is_array, numbers_as_arrays
 
 # How many static parts (tree structures, non-array values such as a `tx`
 # or a `value_fn`) keep their compiled step.
 _KEPT = 8
-
-
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def _key(x: Any) -> Any:
@@ -78,10 +73,10 @@ def once(fn: Callable[..., Any]) -> Callable[..., Any]:
 
   def traced_once(*args: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    is_array = tuple(_is_array(x) for x in leaves)
+    arrays_at = tuple(is_array(x) for x in leaves)
     try:
       static = _Static(
-        treedef, is_array, [x for x, a in zip(leaves, is_array, strict=True) if not a]
+        treedef, arrays_at, [x for x, a in zip(leaves, arrays_at, strict=True) if not a]
       )
     except TypeError:
       return fn(*args)
@@ -92,7 +87,7 @@ def once(fn: Callable[..., Any]) -> Callable[..., Any]:
         jitted.popitem(last=False)
     else:
       jitted.move_to_end(static)
-    return compiled([x for x, a in zip(leaves, is_array, strict=True) if a])
+    return compiled([x for x, a in zip(leaves, arrays_at, strict=True) if a])
 
   return traced_once
 

@@ -23,6 +23,14 @@ def _unwrap(x: Any) -> Any:
   return getattr(x, "value", x)
 
 
+def _set_value(variable: Any, value: Any) -> None:
+  """Sets an `nnx.Variable`'s value (`_unwrap`'s other half)."""
+  if hasattr(variable, "set_value"):  # newer Flax: `.value =` is deprecated
+    variable.set_value(value)
+  else:
+    variable.value = value
+
+
 def find_state(x: Any) -> LossScaleState:
   """Returns the one `LossScaleState` inside `x` (an opt_state or its owner).
 
@@ -120,11 +128,8 @@ def set_loss_scale(x: T, loss_scale: float) -> T:
   new_scale = jnp.full(jnp.shape(_unwrap(old_scale)), scale, jnp.float32)
   new_good = jnp.zeros(jnp.shape(_unwrap(old_good)), jnp.int32)
   if _unwrap(old_scale) is not old_scale:  # NNX Variables: set in place
-    for var, value in ((old_scale, new_scale), (old_good, new_good)):
-      if hasattr(var, "set_value"):
-        var.set_value(value)
-      else:
-        var.value = value
+    _set_value(old_scale, new_scale)
+    _set_value(old_good, new_good)
     return x
 
   def replace(node: Any) -> Any:

@@ -34,9 +34,16 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     " `pip install 'lossscale[flax]'` (or `pip install flax`)."
   ) from e
 
+from lossscale._finite import is_array
 from lossscale._fused import apply_gradients
-from lossscale._loss_scale import LossScaleState, states_in
-from lossscale._scaled_grad import _unwrap, find_state, get_loss_scale, value_and_grad
+from lossscale._loss_scale import _is_state, states_in
+from lossscale._scaled_grad import (
+  _set_value,
+  _unwrap,
+  find_state,
+  get_loss_scale,
+  value_and_grad,
+)
 
 __all__ = ["TrainState", "from_dynamic_scale", "nnx_step"]
 
@@ -298,13 +305,9 @@ def _arrays_by_path(state: Any) -> dict[Any, Any]:
   return dict(jax.tree_util.tree_flatten_with_path(state)[0])
 
 
-def _is_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
 def _keep_on_skip(applied: jax.Array, new: Any, old: Any) -> Any:
   """`new` on an applied step, `old` on a skipped one, where a select can."""
-  if not (_is_array(new) and _is_array(old)):
+  if not (is_array(new) and is_array(old)):
     return new
   new, old = jnp.asarray(new), jnp.asarray(old)
   if new.shape != old.shape or new.dtype != old.dtype:
@@ -321,18 +324,7 @@ def _variables(tree: Any) -> list[Any]:
   return [x for x in jax.tree.leaves(tree, is_leaf=is_variable) if is_variable(x)]
 
 
-def _set_value(variable: Any, value: Any) -> None:
-  if hasattr(variable, "set_value"):  # newer Flax: `.value =` is deprecated
-    variable.set_value(value)
-  else:
-    variable.value = value
-
-
 _FROM = "lossscale.flax.from_dynamic_scale"
-
-
-def _is_loss_scale_state(x: Any) -> bool:
-  return isinstance(x, LossScaleState)
 
 
 def _spec(x: Any) -> str:
@@ -552,11 +544,11 @@ def from_dynamic_scale(
     )
   # The state the Flax run had: each LossScaleState replaced by its inner one.
   unwrapped = jax.tree.map(
-    lambda x: x.inner_state if _is_loss_scale_state(x) else x,
+    lambda x: x.inner_state if _is_state(x) else x,
     abstract,
-    is_leaf=_is_loss_scale_state,
+    is_leaf=_is_state,
   )
-  alone = len(jax.tree.leaves(abstract, is_leaf=_is_loss_scale_state)) == 1
+  alone = len(jax.tree.leaves(abstract, is_leaf=_is_state)) == 1
   unwrapped_def: Any = jax.tree.structure(unwrapped)  # Any: see `_from_tree`
   if alone and unwrapped_def != jax.tree.structure(states[0].inner_state):
     # Stateless transformations beside the wrapper: the inner state alone is
@@ -566,9 +558,9 @@ def from_dynamic_scale(
     except ValueError:
       inner = _match("opt_state", states[0].inner_state, opt_state)
       unwrapped = jax.tree.map(
-        lambda x: inner if _is_loss_scale_state(x) else x,
+        lambda x: inner if _is_state(x) else x,
         abstract,
-        is_leaf=_is_loss_scale_state,
+        is_leaf=_is_state,
       )
   else:
     unwrapped = _match("opt_state", unwrapped, opt_state)
@@ -584,10 +576,8 @@ def from_dynamic_scale(
       good_steps=jnp.asarray(_fin_steps(fin_steps), jnp.int32),
     )
   return jax.tree.map(
-    lambda new, old: (
-      counters._replace(inner_state=old) if _is_loss_scale_state(new) else old
-    ),
+    lambda new, old: counters._replace(inner_state=old) if _is_state(new) else old,
     abstract,
     unwrapped,
-    is_leaf=_is_loss_scale_state,
+    is_leaf=_is_state,
   )
