@@ -33,6 +33,7 @@ unnoticed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -137,14 +138,9 @@ def _next_counters(
   """
   f32 = jnp.float32
   if not rule.enabled:  # exactly `inner`: only the scale is set, to 1
-    return dict(
-      loss_scale=jnp.ones([], f32),
-      good_steps=state.good_steps,
-      hysteresis_left=state.hysteresis_left,
-      skipped_steps=state.skipped_steps,
-      consecutive_skips=state.consecutive_skips,
-      last_finite=state.last_finite,
-    )
+    counters = state._asdict()
+    del counters["inner_state"]
+    return counters | dict(loss_scale=jnp.ones([], f32))
   zero = jnp.zeros([], jnp.int32)
   skipped = jnp.where(
     finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
@@ -321,22 +317,27 @@ def _structure_mismatch(fn: str, grads: Any, params: Any) -> str:
   )
 
 
-def _shape_mismatch(fn: str, grads: Any, params: Any) -> str | None:
-  """Why a leaf of `grads` cannot be the gradient of `params`' leaf, or None.
-
-  A gradient may carry leading dimensions the parameter lacks: per-example
-  gradients, shaped `(batch, *param.shape)`, as `optax.contrib.dpsgd` takes.
-  """
+def _shape_pairs(grads: Any, params: Any) -> Iterator[tuple[str, Any, Any]]:
+  """`(where, gradient shape, parameter shape)` for each pair of leaves that
+  both have a shape."""
   for (path, g), p in zip(
     jax.tree_util.tree_leaves_with_path(grads),
     jax.tree_util.tree_leaves(params),
     strict=True,
   ):
     g_shape, p_shape = getattr(g, "shape", None), getattr(p, "shape", None)
-    if g_shape is None or p_shape is None:
-      continue
+    if g_shape is not None and p_shape is not None:
+      yield jax.tree_util.keystr(path) or "the root", g_shape, p_shape
+
+
+def _shape_mismatch(fn: str, grads: Any, params: Any) -> str | None:
+  """Why a leaf of `grads` cannot be the gradient of `params`' leaf, or None.
+
+  A gradient may carry leading dimensions the parameter lacks: per-example
+  gradients, shaped `(batch, *param.shape)`, as `optax.contrib.dpsgd` takes.
+  """
+  for where, g_shape, p_shape in _shape_pairs(grads, params):
     if len(g_shape) < len(p_shape) or g_shape[len(g_shape) - len(p_shape) :] != p_shape:
-      where = jax.tree_util.keystr(path) or "the root"
       return (
         f"`{fn}`: the gradient at {where} has shape {g_shape}, but the"
         f" parameter there has shape {p_shape} (a gradient has the"
@@ -348,14 +349,9 @@ def _shape_mismatch(fn: str, grads: Any, params: Any) -> str | None:
 
 def _leading_dims_at(grads: Any, params: Any) -> str | None:
   """The path of the first gradient with leading (per-example) dimensions."""
-  for (path, g), p in zip(
-    jax.tree_util.tree_leaves_with_path(grads),
-    jax.tree_util.tree_leaves(params),
-    strict=True,
-  ):
-    g_shape, p_shape = getattr(g, "shape", None), getattr(p, "shape", None)
-    if g_shape is not None and p_shape is not None and g_shape != p_shape:
-      return f"{jax.tree_util.keystr(path) or 'the root'} has shape {g_shape}"
+  for where, g_shape, p_shape in _shape_pairs(grads, params):
+    if g_shape != p_shape:
+      return f"{where} has shape {g_shape}"
   return None
 
 
