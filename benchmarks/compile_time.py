@@ -54,14 +54,17 @@ def _variants(adam):
     updates, state = adam.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
+  # One wrapper per variant: a wrapper keeps its inner optimizer's trace
+  # (lossscale/_once.py), which a second variant would reuse.
   tx = ls.dynamic_loss_scale(adam, initial_scale=SCALE)
+  tx_fused = ls.dynamic_loss_scale(adam, initial_scale=SCALE)
 
   def update(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
   def fused(params, state, grads):
-    return ls.apply_gradients(tx, grads, state, params)
+    return ls.apply_gradients(tx_fused, grads, state, params)
 
   aif = optax.apply_if_finite(adam, 10)
 
@@ -72,7 +75,7 @@ def _variants(adam):
   return {
     "adamw (bare)": (adam.init, bare),
     "lossscale: tx.update + apply_updates": (tx.init, update),
-    "lossscale.apply_gradients": (tx.init, fused),
+    "lossscale.apply_gradients": (tx_fused.init, fused),
     "optax.apply_if_finite": (aif.init, apply_if_finite),
   }
 

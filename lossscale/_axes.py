@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from lossscale import _compat
+from lossscale import _compat, _split
 
 AxisName = Hashable | tuple[Hashable, ...]
 T = TypeVar("T")
@@ -67,9 +67,9 @@ def cond(
   false_fn: Callable[[], T],
   *,
   operands: Any,
-  true_out: Any = None,
 ) -> T:
-  """`jax.lax.cond` whose branches may differ in which axes they vary over.
+  """`jax.lax.cond`, split for many outputs (`lossscale/_split.py`), whose
+  branches may differ in which axes they vary over.
 
   Inside `shard_map` a branch that computes from per-device values returns
   "varying" arrays while one that returns constants or replicated state does
@@ -81,22 +81,22 @@ def cond(
     true_fn: the branch taken when `pred` is true.
     false_fn: the branch taken otherwise.
     operands: every array the branches compute from. When none of them varies
-      over a manual axis (always so outside `shard_map`), no output can, and
-      the branches are traced by `lax.cond` alone.
-    true_out: `jax.eval_shape(true_fn)`, when the caller has it already; saves
-      one trace of `true_fn`.
+      over a manual axis (always so outside `shard_map`), no output can.
 
   Returns:
     The output of the branch taken.
   """
   leaves = jax.tree_util.tree_leaves((pred, operands))
   if not any(_compat.varying_axes(x) for x in leaves if hasattr(x, "dtype")):
-    return jax.lax.cond(pred, true_fn, false_fn)
-  if true_out is None:
-    true_out = jax.eval_shape(true_fn)
+    return _split.cond(pred, true_fn, false_fn, jax.lax.cond)
+  return _split.cond(pred, true_fn, false_fn, _varying_cond)
+
+
+def _varying_cond(pred: Any, true_fn: Callable[[], T], false_fn: Callable[[], T]) -> T:
+  """`jax.lax.cond`, each output cast to both branches' varying axes."""
   want = jax.tree.map(
     lambda a, b: _compat.varying_axes(a) | _compat.varying_axes(b),
-    true_out,
+    jax.eval_shape(true_fn),
     jax.eval_shape(false_fn),
   )
 

@@ -65,6 +65,12 @@ def all_finite(tree: Any) -> jax.Array:
     >>> ls.all_finite({})
     Array(True, dtype=bool)
   """
+  return all_finite_times(tree, None)
+
+
+def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
+  """`all_finite(tree * factor)`, each leaf multiplied in the wider of
+  float32 and its dtype, without writing the products (`factor` None: 1)."""
   leaves = jax.tree_util.tree_leaves(numbers_as_arrays(tree))
   leaves = [x for x in leaves if is_inexact(x)]
   if not leaves:
@@ -72,33 +78,53 @@ def all_finite(tree: Any) -> jax.Array:
   if jax.debug_nans.value:
     # `jax.debug_nans` flags every NaN an operation produces, and the fast
     # check below makes one from each inf: check element by element instead.
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    return jnp.all(
+      jnp.stack([jnp.all(jnp.isfinite(_times(x, factor))) for x in leaves])
+    )
   # `sum(x * 0)` is 0 when every element is finite and NaN otherwise (inf * 0
   # is NaN, NaN propagates): a float reduction with no temporaries, where
   # `all(isfinite(x))` first writes a bool array per leaf (docs/performance.md).
   # The partial sums are 0 or NaN too: added up in a chain of scalar adds
   # (cheaper to compile than stacking a thousand flags), checked once.
-  return jnp.isfinite(functools.reduce(operator.add, _zero_or_nan_sums(leaves)))
+  return jnp.isfinite(functools.reduce(operator.add, _zero_or_nan_sums(leaves, factor)))
 
 
-def _zero_or_nan_sums(leaves: list[jax.Array]) -> list[jax.Array]:
-  """float32 scalars, each 0 if its leaves are finite and NaN otherwise."""
+def _zero_or_nan_sums(leaves: list[jax.Array], factor: Any) -> list[jax.Array]:
+  """float32 scalars, each 0 if its leaves (times `factor`) are finite and
+  NaN otherwise."""
   sums: list[jax.Array] = []
   groups: dict[tuple[int, Any], list[jax.Array]] = {}
   for x in leaves:
     if x.size > _OWN_REDUCTION:
-      sums.append(_as_float32(jnp.sum(_times_zero(x))))
+      sums.append(_zero_or_nan_sum(factor, x))
     else:
-      groups.setdefault((x.size, x.dtype), []).append(x.reshape(-1))
+      groups.setdefault((x.size, x.dtype), []).append(x)
   for same in groups.values():
     for i in range(0, len(same), _GROUP):
-      added = functools.reduce(operator.add, map(_times_zero, same[i : i + _GROUP]))
-      sums.append(_as_float32(jnp.sum(added)))
+      sums.append(_zero_or_nan_sum(factor, *same[i : i + _GROUP]))
   return sums
 
 
-def _times_zero(x: jax.Array) -> jax.Array:
-  return x * jnp.zeros([], x.dtype)
+@jax.jit
+def _zero_or_nan_sum(factor: Any, *leaves: jax.Array) -> jax.Array:
+  # Jitted: traced once per group signature, not once per leaf, and one
+  # call in the step's jaxpr per group.
+  flat = [_times(x, factor).reshape(-1) for x in leaves]
+  added = functools.reduce(operator.add, [x * jnp.zeros([], x.dtype) for x in flat])
+  return _as_float32(jnp.sum(added))
+
+
+def _times(x: jax.Array, factor: Any) -> jax.Array:
+  if factor is None:
+    return x
+  dtype = compute_dtype(x.dtype)
+  return x.astype(dtype) * factor.astype(dtype)
+
+
+def compute_dtype(dtype: Any) -> Any:
+  """The wider of float32 and `dtype` (by hand: strict promotion forbids
+  `promote_types(float32, float16)`); complex dtypes are wide enough."""
+  return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
 
 
 def _as_float32(s: jax.Array) -> jax.Array:

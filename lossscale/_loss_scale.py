@@ -41,7 +41,12 @@ import jax.numpy as jnp
 import optax
 
 from lossscale import _axes, _compat, _once, _validation
-from lossscale._finite import all_finite, is_inexact, numbers_as_arrays
+from lossscale._finite import (
+  all_finite_times,
+  compute_dtype,
+  is_inexact,
+  numbers_as_arrays,
+)
 
 DECISION = "lossscale_finite"
 """The keyword argument of a wrapper's `update` that carries a decision."""
@@ -185,16 +190,10 @@ def _next_counters(
   return counters
 
 
-def _compute_dtype(dtype: Any) -> Any:
-  """The wider of float32 and `dtype` (by hand: strict promotion forbids
-  `promote_types(float32, float16)`); complex dtypes are wide enough."""
-  return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
-
-
 def _widen(tree: Any) -> Any:
   """Casts the inexact leaves of `tree` to the wider of float32 and their dtype."""
   return jax.tree.map(
-    lambda x: x.astype(_compute_dtype(x.dtype)) if is_inexact(x) else x, tree
+    lambda x: x.astype(compute_dtype(x.dtype)) if is_inexact(x) else x, tree
   )
 
 
@@ -227,8 +226,9 @@ def _unscale(grads: Any, loss_scale: jax.Array, *, keep_dtype: bool = False) -> 
   )
 
 
-def _unscaled_for_check(grads: Any, loss_scale: jax.Array) -> Any:
-  """What `_unscale` gives, as far as finiteness goes, in one multiply.
+def _check_factor(loss_scale: jax.Array) -> jax.Array:
+  """The factor the finite check multiplies the gradients by: what
+  `_unscale` gives, as far as finiteness goes, in one multiply.
 
   Above 2**126 dividing by the scale cannot overflow, so the gradients are
   finite exactly when they are: they are checked as they are. One multiply
@@ -236,24 +236,29 @@ def _unscaled_for_check(grads: Any, loss_scale: jax.Array) -> Any:
   """
   f32 = jnp.float32
   big = loss_scale > f32(_LARGEST_NORMAL_RECIPROCAL)
-  inv = jnp.where(big, f32(1.0), f32(1.0) / loss_scale)
-  return _scale_leaves(grads, inv)
+  return jnp.where(big, f32(1.0), f32(1.0) / loss_scale)
 
 
 def _scale_leaves(grads: Any, *factors: jax.Array) -> Any:
   """Multiplies each inexact leaf by `factors` in turn, in the wider of
   float32 and its dtype; other leaves pass through."""
+  return jax.tree.map(lambda g: _scale_leaf(g, *factors) if is_inexact(g) else g, grads)
 
-  def leaf(g):
-    if not is_inexact(g):
-      return g
-    dtype = _compute_dtype(g.dtype)
-    g = g.astype(dtype)
-    for factor in factors:
-      g = g * factor.astype(dtype)
-    return g
 
-  return jax.tree.map(leaf, grads)
+@jax.jit
+def _scale_leaf(g: jax.Array, *factors: jax.Array) -> jax.Array:
+  # Jitted: traced once per leaf shape and dtype, however many leaves, and
+  # one call per leaf in the step's jaxpr.
+  dtype = compute_dtype(g.dtype)
+  g = g.astype(dtype)
+  for factor in factors:
+    g = g * factor.astype(dtype)
+  return g
+
+
+@jax.jit
+def _zero_unless(finite: jax.Array, x: jax.Array) -> jax.Array:
+  return jnp.where(finite, x, jnp.zeros_like(x))
 
 
 def _like(new: Any, old: Any) -> Any:
@@ -415,7 +420,7 @@ def _zeros(shapes: Any) -> Any:
 
 
 def _is_half(x: Any) -> bool:
-  return is_inexact(x) and _compute_dtype(x.dtype) != x.dtype
+  return is_inexact(x) and compute_dtype(x.dtype) != x.dtype
 
 
 def _widen_float16(tree: Any) -> Any:
@@ -459,8 +464,8 @@ def _wrap(
       )
     return LossScaleState(**_init_counters(rule), inner_state=inner_state)
 
-  def decide(unscaled):
-    finite = all_finite(unscaled)
+  def decide(grads, scale):
+    finite = all_finite_times(grads, _check_factor(scale))
     if axis_name is not None:
       # One scalar collective: every replica takes the same decision.
       finite = _axes.bound_collective(
@@ -483,7 +488,7 @@ def _wrap(
     elif isinstance(given, Decision):
       finite = given.finite
     else:
-      finite = decide(_unscaled_for_check(updates, scale))
+      finite = decide(updates, scale)
 
     # Half-precision gradients are unscaled in float32; the inner optimizer
     # then runs in float32 throughout (its state and the params widened too:
@@ -515,10 +520,8 @@ def _wrap(
       tree = _unscale(tree, scale)
       # A select, not a multiply: where both branches run (`jax.vmap` with a
       # per-member flag) the inner optimizer sees zeros, never inf or NaN.
-      return jax.tree.map(
-        lambda x: jnp.where(finite, x, jnp.zeros_like(x)) if is_inexact(x) else x,
-        tree,
-      )
+      zero_unless = lambda x: _zero_unless(finite, x) if is_inexact(x) else x
+      return jax.tree.map(zero_unless, tree)
 
     def inner_update(inner_state):
       extra = {
@@ -548,7 +551,6 @@ def _wrap(
         apply,
         lambda: (_zeros(out[0]), state.inner_state),
         operands=(updates, state, params),
-        true_out=out,
       )
     else:
       new_updates, inner_state = apply()

@@ -220,3 +220,16 @@ class CompilationCounter:
   @property
   def count(self):
     return len(_COMPILATIONS) - self._start
+
+
+def primitive_count(closed_jaxpr, name):
+  """How many times primitive `name` runs in `closed_jaxpr`, calls
+  (`jax.jit` inside the traced function) counted once per call site."""
+  count = 0
+  for eqn in closed_jaxpr.jaxpr.eqns:
+    if eqn.primitive.name == name:
+      count += 1
+    inner = eqn.params.get("jaxpr")
+    if eqn.primitive.name in ("pjit", "jit") and inner is not None:
+      count += primitive_count(inner, name)
+  return count

@@ -1,0 +1,317 @@
+"""One `lax.cond` over a whole optimizer step, compiled as several small ones.
+
+XLA's `copy-insertion` and `layout-assignment` passes take time that grows
+faster than linearly with the number of values a conditional carries: a
+`lax.cond` around a bare AdamW step of 2000 leaves compiles in 1.5-1.7x the
+bare step's time, and the same step behind one conditional per 32-leaf
+group in about the bare step's time (docs/performance.md, "How cost
+grows"). A step is mostly independent per leaf, so `cond` splits it:
+
+1. Both branches are traced once, to jaxprs (the inner optimizer's own
+   `jax.jit`, `lossscale/_once.py`, is inlined).
+2. Scalars computed from the operands by cheap elementwise work and
+   reductions (a step count, a learning-rate schedule, a global gradient
+   norm) are *hoisted*: computed once, before the conditionals, and passed
+   to them. A skipped step computes them too and throws them away.
+3. What is left falls apart into groups of outputs that share no work (one
+   leaf's parameter and moments, say; an optimizer that couples leaves,
+   such as `optax.flatten`, gives one big group). Groups are packed into
+   conditionals of at most `_OUTPUTS` outputs, and each conditional computes
+   only what its outputs need. Array values never cross from one
+   conditional to another, so no step materializes anything it did not
+   before.
+
+The result is the single `lax.cond`'s, output for output: each conditional
+takes the same predicate and runs the same operations on the same values.
+A step with effects (`jax.debug.print`, callbacks), whose order this would
+change, runs as one `lax.cond`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+# Outputs per conditional: small enough that XLA's passes stay linear,
+# large enough that a step of a few leaves is one conditional, as before.
+_OUTPUTS = 96
+
+# Primitives cheap enough to recompute: elementwise arithmetic, reductions
+# and reshapes, which XLA fuses into the kernels that read them.
+_CHEAP = frozenset(
+  {
+    "abs",
+    "acos",
+    "acosh",
+    "add",
+    "and",
+    "asin",
+    "asinh",
+    "atan",
+    "atan2",
+    "atanh",
+    "broadcast_in_dim",
+    "cbrt",
+    "ceil",
+    "clamp",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "cos",
+    "cosh",
+    "digamma",
+    "div",
+    "eq",
+    "erf",
+    "erf_inv",
+    "erfc",
+    "exp",
+    "exp2",
+    "expand_dims",
+    "expm1",
+    "floor",
+    "ge",
+    "gt",
+    "imag",
+    "integer_pow",
+    "iota",
+    "is_finite",
+    "le",
+    "lgamma",
+    "log",
+    "log1p",
+    "logistic",
+    "lt",
+    "max",
+    "min",
+    "mul",
+    "ne",
+    "neg",
+    "nextafter",
+    "not",
+    "or",
+    "optimization_barrier",
+    "pow",
+    "real",
+    "reduce_and",
+    "reduce_max",
+    "reduce_min",
+    "reduce_or",
+    "reduce_precision",
+    "reduce_prod",
+    "reduce_sum",
+    "rem",
+    "reshape",
+    "round",
+    "rsqrt",
+    "select_n",
+    "sign",
+    "sin",
+    "sinh",
+    "sqrt",
+    "square",
+    "squeeze",
+    "stop_gradient",
+    "sub",
+    "tan",
+    "tanh",
+    "xor",
+  }
+)
+_CALLS = frozenset({"pjit", "jit"})
+
+
+class _Graph:
+  """A branch's jaxpr, calls inlined, as numbered nodes and values.
+
+  Values are ints. `const[v]` holds the value of a value that no node
+  computes (a closed-over array, a literal); `producer[v]` the node that
+  computes it. Nodes are in an order in which they can be evaluated.
+  """
+
+  def __init__(self, closed: Any):
+    self.nodes: list[tuple[Any, list[int], list[int]]] = []  # (eqn, ins, outs)
+    self.const: dict[int, Any] = {}
+    self.producer: dict[int, int] = {}
+    self.aval: dict[int, Any] = {}
+    self.effects = bool(closed.jaxpr.effects)
+    self.outs = self._add(closed, [])
+
+  def _value(self, aval: Any = None) -> int:
+    v = len(self.aval)
+    self.aval[v] = aval
+    return v
+
+  def _add(self, closed: Any, args: list[int]) -> list[int]:
+    jaxpr = closed.jaxpr
+    env: dict[Any, int] = {}
+    for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
+      env[var] = v = self._value(var.aval)
+      self.const[v] = c
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(var: Any) -> int:
+      if hasattr(var, "val"):  # a Literal
+        v = self._value(var.aval)
+        self.const[v] = var.val
+        return v
+      return env[var]
+
+    for eqn in jaxpr.eqns:
+      ins = [read(x) for x in eqn.invars]
+      if eqn.primitive.name in _CALLS and _is_large(eqn):
+        outs = self._add(eqn.params["jaxpr"], ins)
+        env.update(zip(eqn.outvars, outs, strict=True))
+        continue
+      outs = [self._value(x.aval) for x in eqn.outvars]
+      for x, v in zip(eqn.outvars, outs, strict=True):
+        env[x] = v
+        self.producer[v] = len(self.nodes)
+      self.nodes.append((eqn, ins, outs))
+    return [read(x) for x in jaxpr.outvars]
+
+  def is_scalar(self, v: int) -> bool:
+    return getattr(self.aval[v], "shape", None) == ()
+
+  def slice(self, outs: list[int], stop: set[int]) -> list[int]:
+    """The nodes `outs` need, in evaluation order, up to values in `stop`."""
+    seen: set[int] = set()
+    todo = [self.producer[v] for v in outs if v in self.producer and v not in stop]
+    while todo:
+      n = todo.pop()
+      if n in seen:
+        continue
+      seen.add(n)
+      for v in self.nodes[n][1]:
+        if v in self.producer and v not in stop:
+          todo.append(self.producer[v])
+    return sorted(seen)
+
+  def evaluate(self, nodes: list[int], env: dict[int, Any]) -> None:
+    """Binds `nodes` in the current trace, reading and writing `env`."""
+    for n in nodes:
+      eqn, ins, outs = self.nodes[n]
+      args = [env[v] if v in env else self.const[v] for v in ins]
+      params = eqn.primitive.get_bind_params(eqn.params)
+      subfuns: Any = ()
+      if isinstance(params, tuple):  # jax < 0.5: (subfuns, params)
+        subfuns, params = params
+      with eqn.ctx.manager:
+        result = eqn.primitive.bind(*subfuns, *args, **params)
+      if not eqn.primitive.multiple_results:
+        result = [result]
+      env.update(zip(outs, result, strict=True))
+
+
+def _is_large(eqn: Any) -> bool:
+  """A call worth inlining: one with several outputs or much work."""
+  return len(eqn.outvars) > 1 or len(eqn.params["jaxpr"].jaxpr.eqns) > 16
+
+
+def _is_cheap(eqn: Any) -> bool:
+  name = eqn.primitive.name
+  if name in _CALLS:
+    return all(_is_cheap(e) for e in eqn.params["jaxpr"].jaxpr.eqns)
+  return name in _CHEAP
+
+
+def _hoisted(graph: _Graph) -> list[int]:
+  """Nodes computing scalars from the operands by cheap work only, with
+  the work they need, in evaluation order."""
+  cheap_from_operands = [False] * len(graph.nodes)
+  scalars = []
+  for n, (eqn, ins, outs) in enumerate(graph.nodes):
+    cheap_from_operands[n] = _is_cheap(eqn) and all(
+      cheap_from_operands[graph.producer[v]] for v in ins if v in graph.producer
+    )
+    if cheap_from_operands[n] and all(graph.is_scalar(v) for v in outs):
+      scalars.extend(outs)
+  return graph.slice(scalars, set())
+
+
+def _groups(graph: _Graph, boundary: set[int]) -> list[int]:
+  """For each output, a label shared by the outputs whose work overlaps."""
+  parent = list(range(len(graph.nodes)))
+
+  def find(n: int) -> int:
+    while parent[n] != n:
+      parent[n] = parent[parent[n]]
+      n = parent[n]
+    return n
+
+  for n, (_, ins, _) in enumerate(graph.nodes):
+    for v in ins:
+      if v in graph.producer and v not in boundary:
+        parent[find(n)] = find(graph.producer[v])
+  labels = []
+  for i, v in enumerate(graph.outs):
+    if v in graph.producer and v not in boundary:
+      labels.append(find(graph.producer[v]))
+    else:  # an operand or a hoisted scalar, passed through: no work
+      labels.append(-1 - i)
+  return labels
+
+
+def _chunks(labels: list[int]) -> list[list[int]]:
+  """Output indices, grouped by label, packed into chunks of `_OUTPUTS`."""
+  by_label: dict[int, list[int]] = {}
+  for i, label in enumerate(labels):
+    by_label.setdefault(label, []).append(i)
+  chunks: list[list[int]] = []
+  for group in by_label.values():
+    if chunks and len(chunks[-1]) + len(group) <= _OUTPUTS:
+      chunks[-1].extend(group)
+    else:
+      chunks.append(list(group))
+  return chunks
+
+
+def cond(
+  pred: Any,
+  true_fn: Callable[[], Any],
+  false_fn: Callable[[], Any],
+  one_cond: Callable[[Any, Callable[[], Any], Callable[[], Any]], Any],
+) -> Any:
+  """`one_cond(pred, true_fn, false_fn)`, as several conditionals when the
+  branches have many outputs (see the module docstring).
+
+  `one_cond` is `jax.lax.cond` or a variant with the same signature; the
+  branches take no arguments (they close over their operands).
+  """
+  true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
+  false_closed = jax.make_jaxpr(false_fn)()
+  tree = jax.tree_util.tree_structure(out_shape)
+  t, f = _Graph(true_closed), _Graph(false_closed)
+
+  def run(graph: _Graph, nodes: list[int], outs: list[int], env: dict) -> list:
+    env = dict(env)
+    graph.evaluate(nodes, env)
+    return [env[v] if v in env else graph.const[v] for v in outs]
+
+  if t.effects or f.effects or len(t.outs) <= _OUTPUTS:
+    every = lambda g: lambda: run(g, list(range(len(g.nodes))), g.outs, {})
+    flat = one_cond(pred, every(t), every(f))
+    return jax.tree_util.tree_unflatten(tree, flat)
+
+  hoisted = _hoisted(t)
+  env: dict[int, Any] = {}
+  t.evaluate(hoisted, env)
+  # Only scalars cross into the conditionals; arrays are recomputed there.
+  boundary = {v for v in env if t.is_scalar(v)}
+  env = {v: x for v, x in env.items() if v in boundary}
+  flat: list[Any] = [None] * len(t.outs)
+  for chunk in _chunks(_groups(t, boundary)):
+    t_outs = [t.outs[i] for i in chunk]
+    f_outs = [f.outs[i] for i in chunk]
+    t_nodes = t.slice(t_outs, boundary)
+    f_nodes = f.slice(f_outs, set())
+    results = one_cond(
+      pred,
+      lambda t_nodes=t_nodes, t_outs=t_outs: run(t, t_nodes, t_outs, env),
+      lambda f_nodes=f_nodes, f_outs=f_outs: run(f, f_nodes, f_outs, {}),
+    )
+    for i, x in zip(chunk, results, strict=True):
+      flat[i] = x
+  return jax.tree_util.tree_unflatten(tree, flat)
