@@ -105,7 +105,7 @@ def _zero_or_nan_sums(leaves: list[jax.Array], factor: Any) -> list[jax.Array]:
   return sums
 
 
-@jax.jit
+@functools.partial(jax.jit, inline=True)
 def _zero_or_nan_sum(factor: Any, *leaves: jax.Array) -> jax.Array:
   # Jitted: traced once per group signature, not once per leaf, and one
   # call in the step's jaxpr per group.

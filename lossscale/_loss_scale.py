@@ -33,6 +33,7 @@ unnoticed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -245,7 +246,7 @@ def _scale_leaves(grads: Any, *factors: jax.Array) -> Any:
   return jax.tree.map(lambda g: _scale_leaf(g, *factors) if is_inexact(g) else g, grads)
 
 
-@jax.jit
+@functools.partial(jax.jit, inline=True)
 def _scale_leaf(g: jax.Array, *factors: jax.Array) -> jax.Array:
   # Jitted: traced once per leaf shape and dtype, however many leaves, and
   # one call per leaf in the step's jaxpr.
@@ -256,7 +257,7 @@ def _scale_leaf(g: jax.Array, *factors: jax.Array) -> jax.Array:
   return g
 
 
-@jax.jit
+@functools.partial(jax.jit, inline=True)
 def _zero_unless(finite: jax.Array, x: jax.Array) -> jax.Array:
   return jnp.where(finite, x, jnp.zeros_like(x))
 
