@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core as jax_core
 
 # Outputs per conditional: small enough that XLA's passes stay linear,
 # large enough that a step of a few leaves is one conditional, as before.
@@ -136,7 +137,6 @@ class _Graph:
     self.const: dict[int, Any] = {}
     self.producer: dict[int, int] = {}
     self.aval: dict[int, Any] = {}
-    self.effects = bool(closed.jaxpr.effects)
     self.outs = self._add(closed, [])
 
   def _value(self, aval: Any = None) -> int:
@@ -283,17 +283,23 @@ def cond(
   true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
   false_closed = jax.make_jaxpr(false_fn)()
   tree = jax.tree_util.tree_structure(out_shape)
+  if (
+    true_closed.jaxpr.effects
+    or false_closed.jaxpr.effects
+    or tree.num_leaves <= _OUTPUTS
+  ):
+    # One conditional, on the jaxprs just traced (no second Python trace);
+    # calls, the inner optimizer's among them, stay calls.
+    whole = lambda closed: lambda: jax_core.jaxpr_as_fun(closed)()
+    flat = one_cond(pred, whole(true_closed), whole(false_closed))
+    return jax.tree_util.tree_unflatten(tree, flat)
+
   t, f = _Graph(true_closed), _Graph(false_closed)
 
   def run(graph: _Graph, nodes: list[int], outs: list[int], env: dict) -> list:
     env = dict(env)
     graph.evaluate(nodes, env)
     return [env[v] if v in env else graph.const[v] for v in outs]
-
-  if t.effects or f.effects or len(t.outs) <= _OUTPUTS:
-    every = lambda g: lambda: run(g, list(range(len(g.nodes))), g.outs, {})
-    flat = one_cond(pred, every(t), every(f))
-    return jax.tree_util.tree_unflatten(tree, flat)
 
   hoisted = _hoisted(t)
   env: dict[int, Any] = {}
