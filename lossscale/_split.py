@@ -29,6 +29,7 @@ change, runs as one `lax.cond`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -282,17 +283,16 @@ def cond(
   """
   true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
   false_closed = jax.make_jaxpr(false_fn)()
-  tree = jax.tree_util.tree_structure(out_shape)
-  if (
-    true_closed.jaxpr.effects
-    or false_closed.jaxpr.effects
-    or tree.num_leaves <= _OUTPUTS
-  ):
+  leaves, tree = jax.tree_util.tree_flatten(out_shape)
+  if true_closed.jaxpr.effects or false_closed.jaxpr.effects or len(leaves) <= _OUTPUTS:
     # One conditional, on the jaxprs just traced (no second Python trace);
     # calls, the inner optimizer's among them, stay calls.
-    whole = lambda closed: lambda: jax_core.jaxpr_as_fun(closed)()
-    flat = one_cond(pred, whole(true_closed), whole(false_closed))
-    return jax.tree_util.tree_unflatten(tree, flat)
+    def whole(closed: Any) -> Callable[[], Any]:
+      return lambda: jax_core.jaxpr_as_fun(closed)()
+
+    return jax.tree_util.tree_unflatten(
+      tree, one_cond(pred, whole(true_closed), whole(false_closed))
+    )
 
   t, f = _Graph(true_closed), _Graph(false_closed)
 
@@ -315,8 +315,8 @@ def cond(
     f_nodes = f.slice(f_outs, set())
     results = one_cond(
       pred,
-      lambda t_nodes=t_nodes, t_outs=t_outs: run(t, t_nodes, t_outs, env),
-      lambda f_nodes=f_nodes, f_outs=f_outs: run(f, f_nodes, f_outs, {}),
+      functools.partial(run, t, t_nodes, t_outs, env),
+      functools.partial(run, f, f_nodes, f_outs, {}),
     )
     for i, x in zip(chunk, results, strict=True):
       flat[i] = x
