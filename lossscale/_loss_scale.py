@@ -202,7 +202,13 @@ def _widen(tree: Any) -> Any:
 _LARGEST_NORMAL_RECIPROCAL = 2.0**126
 
 
-def _unscale(grads: Any, loss_scale: jax.Array, *, keep_dtype: bool = False) -> Any:
+def _unscale(
+  grads: Any,
+  loss_scale: jax.Array,
+  *,
+  keep_dtype: bool = False,
+  zero_unless: jax.Array | None = None,
+) -> Any:
   """`grads * (1 / loss_scale)` in the wider of float32 and each leaf's dtype.
 
   Above 2**126 the float32 reciprocal is subnormal, which XLA flushes to
@@ -210,7 +216,8 @@ def _unscale(grads: Any, loss_scale: jax.Array, *, keep_dtype: bool = False) -> 
   by `2**64 / loss_scale`, the same rounding as `1 / loss_scale`. Below it
   the first factor is 1 and the result is `grads * (1 / loss_scale)` bit for
   bit. With `keep_dtype` each leaf is cast back to its own dtype: with a
-  scale of 1 that is every leaf bit for bit.
+  scale of 1 that is every leaf bit for bit. With `zero_unless`, a flag,
+  every leaf is zeros where the flag is false.
   """
   f32 = jnp.float32
   big = loss_scale > f32(_LARGEST_NORMAL_RECIPROCAL)
@@ -219,6 +226,11 @@ def _unscale(grads: Any, loss_scale: jax.Array, *, keep_dtype: bool = False) -> 
   # A constant scale (state closed over by `jit`) must not let XLA merge the
   # two factors back into a subnormal one (still possible on jax 0.4.35).
   pre, inv = _compat.hide_from_constant_folding((pre, inv))
+  if zero_unless is not None:
+    return jax.tree.map(
+      lambda g: _unscale_leaf_or_zero(g, pre, inv, zero_unless) if is_inexact(g) else g,
+      grads,
+    )
   unscaled = _scale_leaves(grads, pre, inv)
   if not keep_dtype:
     return unscaled
@@ -258,8 +270,11 @@ def _scale_leaf(g: jax.Array, *factors: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, inline=True)
-def _zero_unless(finite: jax.Array, x: jax.Array) -> jax.Array:
-  return jnp.where(finite, x, jnp.zeros_like(x))
+def _unscale_leaf_or_zero(
+  g: jax.Array, pre: jax.Array, inv: jax.Array, finite: jax.Array
+) -> jax.Array:
+  u = _scale_leaf(g, pre, inv)
+  return jnp.where(finite, u, jnp.zeros_like(u))
 
 
 def _like(new: Any, old: Any) -> Any:
@@ -417,7 +432,7 @@ def states_in(tree: Any) -> list[LossScaleState]:
 
 
 def _zeros(shapes: Any) -> Any:
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  return jax.tree.map(lambda s: jax.lax.full(s.shape, 0, s.dtype), shapes)
 
 
 def _is_half(x: Any) -> bool:
@@ -518,11 +533,9 @@ def _wrap(
           lambda: tree,
           lambda: _unscale(tree, scale, keep_dtype=True),
         )
-      tree = _unscale(tree, scale)
       # A select, not a multiply: where both branches run (`jax.vmap` with a
       # per-member flag) the inner optimizer sees zeros, never inf or NaN.
-      zero_unless = lambda x: _zero_unless(finite, x) if is_inexact(x) else x
-      return jax.tree.map(zero_unless, tree)
+      return _unscale(tree, scale, zero_unless=finite)
 
     def inner_update(inner_state):
       extra = {
