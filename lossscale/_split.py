@@ -218,22 +218,12 @@ def _is_cheap(eqn: Any) -> bool:
   return name in _CHEAP
 
 
-def _hoisted(graph: _Graph) -> list[int]:
-  """Nodes computing scalars from the operands by cheap work only, with
-  the work they need, in evaluation order."""
-  cheap_from_operands = [False] * len(graph.nodes)
-  scalars = []
-  for n, (eqn, ins, outs) in enumerate(graph.nodes):
-    cheap_from_operands[n] = _is_cheap(eqn) and all(
-      cheap_from_operands[graph.producer[v]] for v in ins if v in graph.producer
-    )
-    if cheap_from_operands[n] and all(graph.is_scalar(v) for v in outs):
-      scalars.extend(outs)
-  return graph.slice(scalars, set())
-
-
-def _groups(graph: _Graph, boundary: set[int]) -> list[int]:
-  """For each output, a label shared by the outputs whose work overlaps."""
+def _union_find(
+  graph: _Graph, boundary: set[int], skip: set[int]
+) -> Callable[[int], int]:
+  """`find(node)`: one root per set of nodes that share work, linking each
+  node (not in `skip`) to the nodes computing its inputs, but not through
+  values in `boundary`."""
   parent = list(range(len(graph.nodes)))
 
   def find(n: int) -> int:
@@ -243,9 +233,75 @@ def _groups(graph: _Graph, boundary: set[int]) -> list[int]:
     return n
 
   for n, (_, ins, _) in enumerate(graph.nodes):
+    if n in skip:
+      continue
     for v in ins:
       if v in graph.producer and v not in boundary:
         parent[find(n)] = find(graph.producer[v])
+  return find
+
+
+def _hoisted(graph: _Graph) -> tuple[list[int], set[int]]:
+  """The nodes to compute before the conditionals, in evaluation order, and
+  the scalars they pass to them.
+
+  Candidates are nodes computing scalars from the operands by cheap work
+  only. Of those, the ones that draw on the work of several groups of
+  outputs (a global norm) or are used by several (a step count, a
+  schedule) are hoisted, with the work they need; a scalar of one group's
+  own (LAMB's trust ratio of one leaf) stays in that group's conditional,
+  so a skipped step does not compute it.
+  """
+  cheap_from_operands = [False] * len(graph.nodes)
+  candidates: list[int] = []
+  for n, (eqn, ins, outs) in enumerate(graph.nodes):
+    cheap_from_operands[n] = _is_cheap(eqn) and all(
+      cheap_from_operands[graph.producer[v]] for v in ins if v in graph.producer
+    )
+    if cheap_from_operands[n] and all(graph.is_scalar(v) for v in outs):
+      candidates.append(n)
+  is_candidate = set(candidates)
+  scalars = {v for n in candidates for v in graph.nodes[n][2]}
+  find = _union_find(graph, scalars, is_candidate)
+  # Groups are the sets of nodes that compute outputs; work that only
+  # candidates read (a norm of the parameters) belongs to no group.
+  groups = {
+    find(graph.producer[v])
+    for v in graph.outs
+    if graph.producer.get(v) is not None and graph.producer[v] not in is_candidate
+  }
+
+  def group_of(n: int) -> set[int]:
+    root = find(n)
+    return {root} if root in groups else set()
+
+  # Which groups each candidate draws on, and which use it (two are enough).
+  draws_on: dict[int, set[int]] = {}
+  for n in candidates:  # in evaluation order
+    drawn: set[int] = set()
+    for v in graph.nodes[n][1]:
+      p = graph.producer.get(v)
+      if p is not None and len(drawn) < 2:
+        drawn |= draws_on[p] if p in is_candidate else group_of(p)
+    draws_on[n] = drawn
+  used_by: dict[int, set[int]] = {n: set() for n in candidates}
+  for i, v in enumerate(graph.outs):
+    if graph.producer.get(v) in is_candidate:
+      used_by[graph.producer[v]].add(-1 - i)  # an output of its own
+  for m in reversed(range(len(graph.nodes))):
+    users = used_by[m] if m in is_candidate else group_of(m)
+    for v in graph.nodes[m][1]:
+      p = graph.producer.get(v)
+      if p in is_candidate and len(used_by[p]) < 2:
+        used_by[p] |= users
+  hoisted = [n for n in candidates if len(draws_on[n]) > 1 or len(used_by[n]) > 1]
+  boundary = {v for n in hoisted for v in graph.nodes[n][2]}
+  return graph.slice(sorted(boundary), set()), boundary
+
+
+def _groups(graph: _Graph, boundary: set[int], hoisted: set[int]) -> list[int]:
+  """For each output, a label shared by the outputs whose work overlaps."""
+  find = _union_find(graph, boundary, hoisted)
   labels = []
   for i, v in enumerate(graph.outs):
     if v in graph.producer and v not in boundary:
@@ -284,7 +340,14 @@ def cond(
   true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
   false_closed = jax.make_jaxpr(false_fn)()
   leaves, tree = jax.tree_util.tree_flatten(out_shape)
-  if true_closed.jaxpr.effects or false_closed.jaxpr.effects or len(leaves) <= _OUTPUTS:
+  if (
+    true_closed.jaxpr.effects
+    or false_closed.jaxpr.effects
+    or len(leaves) <= _OUTPUTS
+    # Hoisted scalars are computed on a skipped step too, from zeroed
+    # gradients (a norm of 0, divided by): no NaN for `jax.debug_nans`.
+    or jax.debug_nans.value
+  ):
     # One conditional, on the jaxprs just traced (no second Python trace);
     # calls, the inner optimizer's among them, stay calls.
     def whole(closed: Any) -> Callable[[], Any]:
@@ -301,14 +364,14 @@ def cond(
     graph.evaluate(nodes, env)
     return [env[v] if v in env else graph.const[v] for v in outs]
 
-  hoisted = _hoisted(t)
+  hoisted, boundary = _hoisted(t)
   env: dict[int, Any] = {}
   t.evaluate(hoisted, env)
-  # Only scalars cross into the conditionals; arrays are recomputed there.
-  boundary = {v for v in env if t.is_scalar(v)}
-  env = {v: x for v, x in env.items() if v in boundary}
+  # Only the hoisted scalars cross into the conditionals; what else they
+  # needed is recomputed there where needed.
+  env = {v: env[v] for v in boundary}
   flat: list[Any] = [None] * len(t.outs)
-  for chunk in _chunks(_groups(t, boundary)):
+  for chunk in _chunks(_groups(t, boundary, set(hoisted))):
     t_outs = [t.outs[i] for i in chunk]
     f_outs = [f.outs[i] for i in chunk]
     t_nodes = t.slice(t_outs, boundary)

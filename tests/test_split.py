@@ -173,3 +173,46 @@ def test_effects_keep_one_conditional():
     jax.effects_barrier()
   assert len(conds) == 1
   assert seen == [1]
+
+
+def _reductions_outside_conds(closed_jaxpr):
+  count = 0
+  for eqn in closed_jaxpr.jaxpr.eqns:
+    if eqn.primitive.name == "reduce_sum":
+      count += 1
+    elif eqn.primitive.name in ("pjit", "jit"):
+      count += _reductions_outside_conds(eqn.params["jaxpr"])
+  return count
+
+
+def test_a_scalar_of_one_leaf_stays_in_its_conditional():
+  # LAMB's trust ratio norms belong to one leaf each: they stay inside the
+  # conditionals (a skipped step computes none), where the global norm of
+  # `clip_by_global_norm` is computed once before them.
+  params = _params(60)
+  counts = {}
+  for name in ("adamw", "lamb", "clip_adam"):
+    tx = ls.dynamic_loss_scale(INNERS[name]())
+    with standard_promotion(), pytest.MonkeyPatch.context() as m:
+      m.setattr(_split, "_OUTPUTS", 8)
+      step = lambda p, s, g, tx=tx: ls.apply_gradients(tx, g, s, p)
+      jaxpr = jax.make_jaxpr(step)(params, tx.init(params), params)
+    counts[name] = _reductions_outside_conds(jaxpr)
+    assert len(_conds(jaxpr)) > 10
+  assert counts["lamb"] == counts["adamw"]  # the finite check's only
+  assert counts["clip_adam"] > counts["adamw"]
+
+
+def test_debug_nans_skipped_step_makes_no_nan():
+  # A skipped step's gradients are zeros for the optimizer: a scalar computed
+  # before the conditionals (a global norm of 0, divided by) would be NaN,
+  # which `jax.debug_nans` reports outside `jit`. There the step is one
+  # conditional.
+  params = _params(40)
+  tx = ls.dynamic_loss_scale(INNERS["clip_adam"](), initial_scale=4.0)
+  grads = _grads(params, 0, scale=4.0)
+  grads["l003"] = grads["l003"].at[0, 0].set(INF)
+  with standard_promotion(), jax.debug_nans(True), jax.disable_jit():
+    new, state = ls.apply_gradients(tx, grads, tx.init(params), params)
+  assert int(state.skipped_steps) == 1
+  assert_trees_equal(new, params)
