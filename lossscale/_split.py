@@ -3,16 +3,18 @@
 XLA's `copy-insertion` and `layout-assignment` passes take time that grows
 faster than linearly with the number of values a conditional carries: a
 `lax.cond` around a bare AdamW step of 2000 leaves compiles in 1.5-1.7x the
-bare step's time, and the same step behind one conditional per 32-leaf
+bare step's time, and the same step behind one conditional per 33-leaf
 group in about the bare step's time (docs/performance.md, "How cost
 grows"). A step is mostly independent per leaf, so `cond` splits it:
 
 1. Both branches are traced once, to jaxprs (the inner optimizer's own
    `jax.jit`, `lossscale/_once.py`, is inlined).
 2. Scalars computed from the operands by cheap elementwise work and
-   reductions (a step count, a learning-rate schedule, a global gradient
-   norm) are *hoisted*: computed once, before the conditionals, and passed
-   to them. A skipped step computes them too and throws them away.
+   reductions, and drawn from or used by several groups of outputs (a step
+   count, a learning-rate schedule, a global gradient norm), are
+   *hoisted*: computed once, before the conditionals, and passed to them.
+   A skipped step computes them too and throws them away. A scalar of one
+   group's own (LAMB's trust ratio of one leaf) stays in its conditional.
 3. What is left falls apart into groups of outputs that share no work (one
    leaf's parameter and moments, say; an optimizer that couples leaves,
    such as `optax.flatten`, gives one big group). Groups are packed into
@@ -24,7 +26,9 @@ grows"). A step is mostly independent per leaf, so `cond` splits it:
 The result is the single `lax.cond`'s, output for output: each conditional
 takes the same predicate and runs the same operations on the same values.
 A step with effects (`jax.debug.print`, callbacks), whose order this would
-change, runs as one `lax.cond`.
+change, runs as one `lax.cond`, and so does a step of at most `_OUTPUTS`
+outputs, or one traced under `jax.debug_nans` (a skipped step's hoisted
+scalars come from zeroed gradients: a norm of 0, divided by, is NaN).
 """
 
 from __future__ import annotations
