@@ -47,6 +47,7 @@ from lossscale._finite import (
   compute_dtype,
   is_inexact,
   numbers_as_arrays,
+  scale_leaf,
 )
 
 DECISION = "lossscale_finite"
@@ -255,25 +256,14 @@ def _check_factor(loss_scale: jax.Array) -> jax.Array:
 def _scale_leaves(grads: Any, *factors: jax.Array) -> Any:
   """Multiplies each inexact leaf by `factors` in turn, in the wider of
   float32 and its dtype; other leaves pass through."""
-  return jax.tree.map(lambda g: _scale_leaf(g, *factors) if is_inexact(g) else g, grads)
-
-
-@functools.partial(jax.jit, inline=True)
-def _scale_leaf(g: jax.Array, *factors: jax.Array) -> jax.Array:
-  # Jitted: traced once per leaf shape and dtype, however many leaves, and
-  # one call per leaf in the step's jaxpr.
-  dtype = compute_dtype(g.dtype)
-  g = g.astype(dtype)
-  for factor in factors:
-    g = g * factor.astype(dtype)
-  return g
+  return jax.tree.map(lambda g: scale_leaf(g, *factors) if is_inexact(g) else g, grads)
 
 
 @functools.partial(jax.jit, inline=True)
 def _unscale_leaf_or_zero(
   g: jax.Array, pre: jax.Array, inv: jax.Array, finite: jax.Array
 ) -> jax.Array:
-  u = _scale_leaf(g, pre, inv)
+  u = scale_leaf(g, pre, inv)
   return jnp.where(finite, u, jnp.zeros_like(u))
 
 
