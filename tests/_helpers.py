@@ -224,7 +224,8 @@ class CompilationCounter:
 
 def primitive_count(closed_jaxpr, name):
   """How many times primitive `name` runs in `closed_jaxpr`, calls
-  (`jax.jit` inside the traced function) counted once per call site."""
+  (`jax.jit` inside the traced function) counted once per call site;
+  branches of a `cond` are not looked into."""
   count = 0
   for eqn in closed_jaxpr.jaxpr.eqns:
     if eqn.primitive.name == name:

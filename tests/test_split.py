@@ -7,7 +7,12 @@ import optax
 import pytest
 
 import lossscale as ls
-from _helpers import assert_trees_close, assert_trees_equal, standard_promotion
+from _helpers import (
+  assert_trees_close,
+  assert_trees_equal,
+  primitive_count,
+  standard_promotion,
+)
 from lossscale import _split
 
 INF = float("inf")
@@ -175,16 +180,6 @@ def test_effects_keep_one_conditional():
   assert seen == [1]
 
 
-def _reductions_outside_conds(closed_jaxpr):
-  count = 0
-  for eqn in closed_jaxpr.jaxpr.eqns:
-    if eqn.primitive.name == "reduce_sum":
-      count += 1
-    elif eqn.primitive.name in ("pjit", "jit"):
-      count += _reductions_outside_conds(eqn.params["jaxpr"])
-  return count
-
-
 def test_a_scalar_of_one_leaf_stays_in_its_conditional():
   # LAMB's trust ratio norms belong to one leaf each: they stay inside the
   # conditionals (a skipped step computes none), where the global norm of
@@ -197,7 +192,7 @@ def test_a_scalar_of_one_leaf_stays_in_its_conditional():
       m.setattr(_split, "_OUTPUTS", 8)
       step = lambda p, s, g, tx=tx: ls.apply_gradients(tx, g, s, p)
       jaxpr = jax.make_jaxpr(step)(params, tx.init(params), params)
-    counts[name] = _reductions_outside_conds(jaxpr)
+    counts[name] = primitive_count(jaxpr, "reduce_sum")  # not inside conds
     assert len(_conds(jaxpr)) > 10
   assert counts["lamb"] == counts["adamw"]  # the finite check's only
   assert counts["clip_adam"] > counts["adamw"]
