@@ -81,37 +81,60 @@ def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
     return jnp.all(
       jnp.stack([jnp.all(jnp.isfinite(_times(x, factor))) for x in leaves])
     )
-  # `sum(x * 0)` is 0 when every element is finite and NaN otherwise (inf * 0
-  # is NaN, NaN propagates): a float reduction with no temporaries, where
-  # `all(isfinite(x))` first writes a bool array per leaf (docs/performance.md).
-  # The partial sums are 0 or NaN too: added up in a chain of scalar adds
-  # (cheaper to compile than stacking a thousand flags), checked once.
-  return jnp.isfinite(functools.reduce(operator.add, _zero_or_nan_sums(leaves, factor)))
+  # `sum(x - x)` is 0 when every element is finite and NaN otherwise (inf -
+  # inf is NaN, NaN propagates); with a factor, the largest magnitude is
+  # taken in the same pass, and times the factor it is finite exactly when
+  # every product is (rounding is monotonic). A reduction with no
+  # temporaries, where `all(isfinite(x))` first writes a bool array per
+  # leaf, and `sum(x * factor * 0)` had XLA:CPU write the broadcast factor
+  # and 0 out for its reduction kernel (docs/performance.md). One flag per
+  # group, joined in a chain of scalar ands, cheaper to compile than
+  # stacking a thousand flags.
+  return functools.reduce(operator.and_, _flags(leaves, factor))
 
 
-def _zero_or_nan_sums(leaves: list[jax.Array], factor: Any) -> list[jax.Array]:
-  """float32 scalars, each 0 if its leaves (times `factor`) are finite and
-  NaN otherwise."""
-  sums: list[jax.Array] = []
+def _flags(leaves: list[jax.Array], factor: Any) -> list[jax.Array]:
+  """`_finite_flag(factor, *group)` for each group of leaves: small leaves
+  of one size and dtype `_GROUP` at a time, large ones alone."""
+  flags: list[jax.Array] = []
   groups: dict[tuple[int, Any], list[jax.Array]] = {}
   for x in leaves:
     if x.size > _OWN_REDUCTION:
-      sums.append(_zero_or_nan_sum(factor, x))
+      flags.append(_finite_flag(factor, x))
     else:
       groups.setdefault((x.size, x.dtype), []).append(x)
   for same in groups.values():
     for i in range(0, len(same), _GROUP):
-      sums.append(_zero_or_nan_sum(factor, *same[i : i + _GROUP]))
-  return sums
+      flags.append(_finite_flag(factor, *same[i : i + _GROUP]))
+  return flags
 
 
 @functools.partial(jax.jit, inline=True)
-def _zero_or_nan_sum(factor: Any, *leaves: jax.Array) -> jax.Array:
+def _finite_flag(factor: Any, *leaves: jax.Array) -> jax.Array:
   # Jitted: traced once per group signature, not once per leaf, and one
   # call in the step's jaxpr per group.
-  flat = [_times(x, factor).reshape(-1) for x in leaves]
-  added = functools.reduce(operator.add, [x * jnp.zeros([], x.dtype) for x in flat])
-  return _as_float32(jnp.sum(added))
+  dtype = compute_dtype(leaves[0].dtype)
+  flat = [x.reshape(-1).astype(dtype) for x in leaves]
+  zeros = functools.reduce(operator.add, [x - x for x in flat])  # 0 or NaN
+  if jnp.iscomplexobj(zeros):  # NaN in either part
+    zeros = jnp.real(zeros) + jnp.imag(zeros)
+  if factor is None:
+    return jnp.isfinite(jnp.sum(zeros))
+  # `max` alone is no check: XLA:CPU's vectorized `max` drops NaN.
+  largest = functools.reduce(jnp.maximum, [_magnitude(x) for x in flat])
+  zero, largest = jax.lax.reduce(
+    (zeros, largest),
+    (jnp.zeros([], zeros.dtype), jnp.zeros([], largest.dtype)),
+    lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
+    (0,),
+  )
+  return jnp.isfinite(zero) & jnp.isfinite(largest * factor.astype(largest.dtype))
+
+
+def _magnitude(x: jax.Array) -> jax.Array:
+  if jnp.iscomplexobj(x):  # |x| itself can overflow for finite parts
+    return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x)))
+  return jnp.abs(x)
 
 
 def _times(x: jax.Array, factor: Any) -> jax.Array:
@@ -136,9 +159,3 @@ def compute_dtype(dtype: Any) -> Any:
   """The wider of float32 and `dtype` (by hand: strict promotion forbids
   `promote_types(float32, float16)`); complex dtypes are wide enough."""
   return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
-
-
-def _as_float32(s: jax.Array) -> jax.Array:
-  if jnp.iscomplexobj(s):  # NaN in either part
-    s = jnp.real(s) + jnp.imag(s)
-  return s.astype(jnp.float32)

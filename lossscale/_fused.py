@@ -26,8 +26,15 @@ from typing import Any
 import jax
 import optax
 
-from lossscale import _axes, _once
-from lossscale._loss_scale import DECISION, Decision, _is_state, _like, states_in
+from lossscale import _axes, _compat, _once
+from lossscale._loss_scale import (
+  DECISION,
+  Decision,
+  _is_state,
+  _like,
+  read_after,
+  states_in,
+)
 
 _is_decision = lambda x: isinstance(x, Decision)
 
@@ -194,16 +201,22 @@ def _apply_gradients(tx, grads, opt_state, params, **extra_args):
   decision = _decide(tx, grads, opt_state, params, extra_args)
 
   def applied():
-    updates, new_state = tx.update(
-      grads, opt_state, params, **extra_args, **{DECISION: decision}
+    update = lambda state: tx.update(
+      grads, state, params, **extra_args, **{DECISION: decision}
     )
+    updates, new_state = update(opt_state)
     # Half-precision parameters get float32 updates: `apply_updates` adds
     # them in float32 and casts back, mixing dtypes on purpose.
+    with jax.numpy_dtype_promotion("standard"):
+      new_params = _apply_updates(params, updates)
+    # State computed wider than it is stored (bfloat16 moments) is written
+    # after the new parameters, in place (`read_after`).
+    old, ordered = read_after(opt_state, new_params)
+    if ordered and _compat.ORDER_FUSED_WRITES:
+      _, new_state = update(old)
     # Transformations chained after the wrapper may change their state's
     # dtype (optax.trace on bfloat16 params): both branches keep `opt_state`'s.
-    new_state = _like(new_state, opt_state)
-    with jax.numpy_dtype_promotion("standard"):
-      return _apply_updates(params, updates), new_state
+    return new_params, _like(new_state, opt_state)
 
   def skipped():
     new_state = jax.tree.map(

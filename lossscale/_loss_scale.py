@@ -286,6 +286,54 @@ def _like(new: Any, old: Any) -> Any:
   return jax.tree.map(leaf, new, old)
 
 
+def read_after(old: Any, after: Any) -> tuple[Any, bool]:
+  """`old`, its half-precision leaves read only after `after` is computed.
+
+  The inner optimizer computes in float32 and its bfloat16 state is stored
+  rounded, while its updates come from the unrounded values: the old state
+  is read twice, once for the updates (the new parameters) and once for the
+  new state. To write the new state over the old in place, XLA must run
+  the second read last, and nothing tells it so: it copies the old state
+  first (a parameter-sized temporary per moment). Here each such leaf of
+  `old`, in a subtree with `after`'s structure (Adam's `mu` and `nu` have
+  the parameters'), is selected by a flag that is always true but computed
+  from one element of the leaf of `after` at its place: the value is
+  unchanged, bit for bit, and the new state now depends on the new
+  parameters, so XLA writes it after them, in place. Returns the tree and
+  whether any leaf was so ordered.
+  """
+  after_def: Any = jax.tree.structure(after)
+  matches = lambda x: jax.tree.structure(x) == after_def
+  ordered = []
+
+  def leaf(x: Any, a: Any) -> Any:
+    if not (
+      _is_half(x)
+      and jnp.issubdtype(x.dtype, jnp.floating)
+      and is_inexact(a)
+      and jnp.issubdtype(a.dtype, jnp.floating)
+      and jnp.size(a) > 0
+    ):
+      return x
+    ordered.append(True)
+    return _after(x, a)
+
+  tree = jax.tree.map(
+    lambda o: jax.tree.map(leaf, o, after) if matches(o) else o, old, is_leaf=matches
+  )
+  return tree, bool(ordered)
+
+
+@functools.partial(jax.jit, inline=True)
+def _after(x: jax.Array, a: jax.Array) -> jax.Array:
+  # One element of `a` times 0 is 0 or NaN, so `keep` is always true; XLA
+  # does not fold `a * 0` (inf times 0 is NaN), so it cannot see that. A
+  # select copies bits: subnormals and NaN payloads are kept.
+  zero = a.reshape(-1)[0].astype(jnp.float32) * jnp.float32(0)
+  keep = (zero == 0) | jnp.isnan(zero)
+  return jnp.where(keep, x, -x)
+
+
 def _check_inner(fn: str, inner: Any) -> None:
   if isinstance(inner, optax.MultiSteps):
     raise TypeError(
@@ -504,7 +552,6 @@ def _wrap(
     widened = rule.enabled and any(
       _is_half(x) for x in jax.tree_util.tree_leaves((updates, params))
     )
-    inner_params = _widen(params) if widened else params
 
     def unscaled(tree):
       # Computed where it is used, not shared with the decision: XLA fuses
@@ -531,12 +578,15 @@ def _wrap(
       extra = {
         k: unscaled(v) if k in GRADIENT_EXTRA_ARGS else v for k, v in extra_args.items()
       }
+      # Widened where it is used: taken from outside `lax.cond`, the float32
+      # params would be written out as one of its operands.
+      inner_params = _widen(params) if widened else params
       return run_inner(unscaled(updates), inner_state, inner_params, extra)
 
-    def apply():
-      inner_state = _widen(state.inner_state) if widened else state.inner_state
-      new_updates, inner_state = inner_update(inner_state)
-      return new_updates, _like(inner_state, state.inner_state)
+    def apply(inner_state=state.inner_state):
+      widened_state = _widen(inner_state) if widened else inner_state
+      new_updates, new_state = inner_update(widened_state)
+      return new_updates, _like(new_state, state.inner_state)
 
     if rule.enabled and params is not None:
       _check_gradients(fn, updates, params, state.inner_state, apply)
@@ -550,12 +600,25 @@ def _wrap(
       # `lax.cond`: a skipped step runs no optimizer, a finite one updates
       # the inner state in place (docs/performance.md has the measurements).
       out = jax.eval_shape(apply)
-      new_updates, inner_state = _axes.cond(
-        finite,
-        apply,
-        lambda: (_zeros(out[0]), state.inner_state),
-        operands=(updates, state, params),
-      )
+      operands = (updates, state, params)
+      skip = lambda: (_zeros(out[0]), state.inner_state)
+      if not (widened and any(_is_half(x) for x in jax.tree.leaves(state.inner_state))):
+        new_updates, inner_state = _axes.cond(finite, apply, skip, operands=operands)
+      else:
+        # State stored narrower than it is computed (bfloat16 moments) is
+        # written in a second conditional, after the updates are out
+        # (`read_after`), in place: in the first, XLA would copy it.
+        # The inner optimizer's second call reuses its trace, and XLA keeps
+        # of each call only what its conditional returns.
+        new_updates = _axes.cond(
+          finite, lambda: apply()[0], lambda: skip()[0], operands=operands
+        )
+        inner_state = _axes.cond(
+          finite,
+          lambda: apply(read_after(state.inner_state, new_updates)[0])[1],
+          lambda: state.inner_state,
+          operands=(*operands, new_updates),
+        )
     else:
       new_updates, inner_state = apply()
     return new_updates, LossScaleState(

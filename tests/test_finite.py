@@ -108,3 +108,24 @@ def test_all_finite_reduces_small_leaves_together():
   tree["own"] = jnp.ones(70_000)  # large: reduced on its own
   jaxpr = jax.make_jaxpr(ls.all_finite)(tree)
   assert primitive_count(jaxpr, "reduce_sum") == 640 // 32 + 1
+
+
+@pytest.mark.parametrize("size", [8, 100_000])  # grouped, and reduced alone
+def test_check_of_the_unscaled_gradients_is_exact_at_the_float32_range(size):
+  from lossscale._finite import all_finite_times
+
+  check = jax.jit(all_finite_times)
+  big = jnp.full(size, 3e38, jnp.float32)  # finite, whose sum is not
+  assert bool(check({"g": big, "h": big}, jnp.float32(1.0)))
+  assert bool(check({"g": big}, jnp.float32(1.125)))  # 3.375e38: finite
+  assert not bool(check({"g": big}, jnp.float32(1.25)))  # overflows
+  half = jnp.full(size, 3e38, jnp.bfloat16)
+  assert not bool(check({"g": half}, jnp.float32(2.0)))
+  for at in (0, size // 2, size - 1):
+    for v in (jnp.nan, jnp.inf):
+      g = jnp.ones(size, jnp.float32).at[at].set(v)
+      assert not bool(check({"g": g}, jnp.float32(0.5))), (at, v)
+      assert not bool(check({"g": g}, jnp.float32(2.0))), (at, v)
+  huge = jnp.full(size, 3e38 + 3e38j, jnp.complex64)  # |z| overflows; parts do not
+  assert bool(check({"z": huge}, jnp.float32(1.0)))
+  assert not bool(check({"z": huge.at[at].set(complex(1, np.nan))}, jnp.float32(1)))
