@@ -57,9 +57,20 @@ def hide_from_constant_folding(x: Any) -> Any:
   return jax.lax.optimization_barrier(x) if _barrier_batches() else x
 
 
-# XLA in jaxlib 0.4 copies bfloat16 moments that are read before they are
-# overwritten whether or not the write is ordered after the read; ordering
-# it (`_loss_scale.read_after`) in the fused step only added work there
-# (1.60x the bare step's bytes against 1.07x unordered, at jaxlib 0.4.35).
-# Newer XLA writes them in place once ordered (1.30x against 2.0x, 0.10.2).
-ORDER_FUSED_WRITES = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 5)
+def _jaxlib_version() -> tuple[int, ...]:
+  import jaxlib
+
+  parts = []
+  for part in jaxlib.__version__.split(".")[:3]:
+    digits = "".join(c for c in part if c.isdigit()) or "0"
+    parts.append(int(digits))
+  return tuple(parts)
+
+
+# XLA before jaxlib 0.9.1 copies the bfloat16 moments of a fused step
+# whether or not their writes are ordered after the parameters'; ordering
+# them (`_loss_scale.read_after`) only added work there: 1.60x the bare
+# step's bytes against 1.07x unordered, at every jaxlib from 0.4.35 to
+# 0.9.0.1. From 0.9.1 on, XLA writes them in place once ordered: 1.30x
+# against 1.60x (1M bfloat16 parameters, benchmarks/half_precision.py).
+ORDER_FUSED_WRITES = _jaxlib_version() >= (0, 9, 1)

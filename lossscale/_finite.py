@@ -109,18 +109,25 @@ def _flags(leaves: list[jax.Array], factor: Any) -> list[jax.Array]:
   return flags
 
 
-@functools.partial(jax.jit, inline=True)
 def _finite_flag(factor: Any, *leaves: jax.Array) -> jax.Array:
+  return _finite_flag_for(cpu_reductions(), factor, *leaves)
+
+
+@functools.partial(jax.jit, static_argnums=0, inline=True)
+def _finite_flag_for(cpu: bool, factor: Any, *leaves: jax.Array) -> jax.Array:
   # Jitted: traced once per group signature, not once per leaf, and one
   # call in the step's jaxpr per group.
   dtype = compute_dtype(leaves[0].dtype)
   flat = [x.reshape(-1).astype(dtype) for x in leaves]
-  zeros = functools.reduce(operator.add, [x - x for x in flat])  # 0 or NaN
-  if jnp.iscomplexobj(zeros):  # NaN in either part
-    zeros = jnp.real(zeros) + jnp.imag(zeros)
+  if factor is not None and not cpu:
+    # One sum, with the factor: one scalar all-reduce under SPMD sharding.
+    flat = [x * factor.astype(dtype) for x in flat]
+    return _is_zero([x * jnp.zeros([], dtype) for x in flat])
   if factor is None:
-    return jnp.isfinite(jnp.sum(zeros))
+    return _is_zero([x - x for x in flat])
+  # XLA:CPU: one pass that takes no scalar operand (see `cpu_reductions`).
   # `max` alone is no check: XLA:CPU's vectorized `max` drops NaN.
+  zeros = _real(functools.reduce(operator.add, [x - x for x in flat]))
   largest = functools.reduce(jnp.maximum, [_magnitude(x) for x in flat])
   zero, largest = jax.lax.reduce(
     (zeros, largest),
@@ -129,6 +136,30 @@ def _finite_flag(factor: Any, *leaves: jax.Array) -> jax.Array:
     (0,),
   )
   return jnp.isfinite(zero) & jnp.isfinite(largest * factor.astype(largest.dtype))
+
+
+def cpu_reductions() -> bool:
+  """Whether the finite check is formulated for XLA:CPU's reductions.
+
+  XLA:CPU hands a large reduction to a YNNPACK kernel, which takes every
+  operand full size: the scalars of `sum(x * factor * 0)` were written out
+  as leaf-sized arrays and read again by every leaf's reduction (a third
+  of the bytes of a bfloat16 step). On CPU the check therefore reduces
+  `x - x` and `abs(x)` in one variadic reduction, which has no scalar
+  operand; under SPMD sharding XLA gathers its two partial results instead
+  of one all-reduce. Elsewhere (GPU, TPU) the scalars fuse into the
+  reduction, and the check is the one sum.
+  """
+  return jax.default_backend() == "cpu"
+
+
+def _is_zero(zeros: list[jax.Array]) -> jax.Array:
+  # Elementwise 0 or NaN: added up, reduced once, checked.
+  return jnp.isfinite(jnp.sum(_real(functools.reduce(operator.add, zeros))))
+
+
+def _real(x: jax.Array) -> jax.Array:
+  return jnp.real(x) + jnp.imag(x) if jnp.iscomplexobj(x) else x  # NaN in either
 
 
 def _magnitude(x: jax.Array) -> jax.Array:

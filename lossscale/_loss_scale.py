@@ -97,11 +97,14 @@ class Decision(NamedTuple):
     skipped: the wrapper's `LossScaleState` after skipping this step.
     incoming: the gradients the wrapper received (after the transformations
       chained before it), still scaled.
+    widened: whether the inner optimizer runs wider than the parameters
+      (float32 for half-precision ones), storing its state rounded.
   """
 
   finite: jax.Array
   skipped: LossScaleState
   incoming: Any
+  widened: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -595,7 +598,9 @@ def _wrap(
       skipped = LossScaleState(
         **_next_counters(rule, state, finite), inner_state=state.inner_state
       )
-      return _zeros(jax.eval_shape(apply)[0]), Decision(finite, skipped, updates)
+      return _zeros(jax.eval_shape(apply)[0]), Decision(
+        finite, skipped, updates, widened
+      )
     if given is _ORDINARY and rule.enabled:
       # `lax.cond`: a skipped step runs no optimizer, a finite one updates
       # the inner state in place (docs/performance.md has the measurements).

@@ -110,9 +110,16 @@ def test_all_finite_reduces_small_leaves_together():
   assert primitive_count(jaxpr, "reduce_sum") == 640 // 32 + 1
 
 
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu", "gpu-tpu"])
 @pytest.mark.parametrize("size", [8, 100_000])  # grouped, and reduced alone
-def test_check_of_the_unscaled_gradients_is_exact_at_the_float32_range(size):
+def test_check_of_the_unscaled_gradients_is_exact_at_the_float32_range(
+  size, cpu, monkeypatch
+):
+  from lossscale import _finite
   from lossscale._finite import all_finite_times
+
+  # Both formulations of the check, whatever the backend (`cpu_reductions`).
+  monkeypatch.setattr(_finite, "cpu_reductions", lambda: cpu)
 
   check = jax.jit(all_finite_times)
   big = jnp.full(size, 3e38, jnp.float32)  # finite, whose sum is not

@@ -347,8 +347,8 @@ def test_half_precision_steps_move_and_hold_little_more_than_the_bare_step(dtype
   # gradients once, for the check) ...
   assert fused <= 1.35 * bare
   # ... and no parameter-sized temporary: its bfloat16 moments are written
-  # in place, after the new parameters (XLA in jaxlib 0.4 copies the
-  # moments of the bare step too, and the same for ours).
+  # in place, after the new parameters (XLA before jaxlib 0.9.1 copies
+  # the moments of the bare step too, and the same for ours).
   if _compat.ORDER_FUSED_WRITES:
     assert fused_temp < p_bytes / 8
   else:

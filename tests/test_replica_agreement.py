@@ -30,6 +30,7 @@ from _helpers import (
   stack,
   standard_promotion,
 )
+from lossscale import _finite
 
 N = 8  # devices (tests/conftest.py)
 
@@ -309,7 +310,11 @@ def test_averaging_then_loss_scaling_adds_no_collective(kind):
   assert bare - with_axis == collections.Counter()
 
 
-def test_spmd_fsdp_finite_check_costs_one_scalar_all_reduce():
+@pytest.mark.parametrize("cpu", [False, True], ids=["gpu-tpu", "cpu"])
+def test_spmd_fsdp_finite_check_costs_one_scalar_all_reduce(cpu, monkeypatch):
+  # The check as it is formulated for GPU and TPU, and for XLA:CPU, whose
+  # reduction kernels take no scalar operand (`_finite.cpu_reductions`).
+  monkeypatch.setattr(_finite, "cpu_reductions", lambda: cpu)
   x, y = _data()
   mesh = make_mesh()
   found = []
@@ -319,10 +324,6 @@ def test_spmd_fsdp_finite_check_costs_one_scalar_all_reduce():
     yt = y[0].reshape(N * ROWS, OUTPUTS)
     found.append(collectives(step.lower(params, opt_state, xt, yt).compile().as_text()))
   bare, scaled = found
-  # Each device checks its own shard of the sharded gradients; the compiler
-  # combines the flags with one scalar all-reduce and adds nothing else. (XLA's
-  # all-reduce combiner may carry that scalar inside a gradient all-reduce, so
-  # compare the reduced operands and allow at most one more op.)
 
   def operands(counter):
     return collections.Counter(
@@ -331,6 +332,16 @@ def test_spmd_fsdp_finite_check_costs_one_scalar_all_reduce():
 
   extra = operands(scaled) - operands(bare)
   assert operands(bare) - operands(scaled) == collections.Counter()
+  if cpu:
+    # The check's two partial results (sum and largest magnitude), one
+    # value per device, gathered: two small collectives, nothing else.
+    assert sum(extra.values()) <= 2
+    assert all(op == "all-gather" and shape == "f32[8]" for op, shape in extra)
+    return
+  # Each device checks its own shard of the sharded gradients; the compiler
+  # combines the flags with one scalar all-reduce and adds nothing else. (XLA's
+  # all-reduce combiner may carry that scalar inside a gradient all-reduce, so
+  # compare the reduced operands and allow at most one more op.)
   ((op, shape),) = extra.elements()
   assert op == "all-reduce" and shape.endswith("[]")
   assert sum(scaled.values()) <= sum(bare.values()) + 1
