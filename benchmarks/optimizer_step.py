@@ -2,7 +2,7 @@
 
 Usage:
   python benchmarks/optimizer_step.py [--params 25e6] [--rounds 15]
-      [--json benchmarks/results/optimizer_step_cpu.json]
+      [--dtype float32] [--json benchmarks/results/optimizer_step_cpu.json]
 
 Every variant is a jitted `step(params, opt_state, grads) -> (params,
 opt_state)` with `donate_argnums=(0, 1)` on a transformer-shaped float32 tree
@@ -20,6 +20,11 @@ XLA's `cost_analysis()` bytes accessed, against plain and against the
 analytic minimum (gradients read once; parameters and both moments read and
 written once); `memory_analysis()` temporary bytes; fusion, copy and
 conditional counts in the optimised HLO.
+
+With `--dtype bfloat16` or `--dtype float16` the parameters and gradients
+have that dtype (peers that cannot take them are best left out with
+`--only`); the plain AdamW rows of a float16 run keep float32 optimizer
+state, the state lossscale gives float16 parameters.
 """
 
 from __future__ import annotations
@@ -232,22 +237,27 @@ def main(argv=None):
     action="store_true",
     help="also run the select-based wrapper formulation (why lax.cond)",
   )
+  ap.add_argument(
+    "--dtype", default="float32", choices=["float32", "bfloat16", "float16"]
+  )
   ap.add_argument("--json", default=None, help="where to write the JSON")
   args = ap.parse_args(argv)
+  dtype = jnp.dtype(args.dtype)
   if not 0 < args.params <= 5e9:
     ap.error(f"--params must be in (0, 5e9], got {args.params}")
 
   shapes = _bench.transformer_shapes(args.params, args.layers)
   key = jax.random.key(0)
   params = {
-    k: 0.02 * jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32)
+    k: (0.02 * jax.random.normal(jax.random.fold_in(key, i), s)).astype(dtype)
     for i, (k, s) in enumerate(shapes.items())
   }
-  grads = {
+  grads32 = {
     k: 1e-3 * jax.random.normal(jax.random.fold_in(key, 10**6 + i), s, jnp.float32)
     for i, (k, s) in enumerate(shapes.items())
   }
-  scaled = jax.tree.map(lambda g: g * SCALE, grads)
+  grads = jax.tree.map(lambda g: g.astype(dtype), grads32)
+  scaled = jax.tree.map(lambda g: (g * SCALE).astype(dtype), grads32)
 
   def overflow(tree):
     tree = dict(tree)
@@ -263,9 +273,10 @@ def main(argv=None):
   }
   n = sum(x.size for x in jax.tree.leaves(params))
   p_bytes = _bench.tree_bytes(params)
-  analytic_min = p_bytes + 2 * 3 * p_bytes  # grads read; params, mu, nu r+w
+  m_bytes = 2 * p_bytes if dtype == jnp.float16 else p_bytes  # float32 moments
+  analytic_min = p_bytes + 2 * (p_bytes + 2 * m_bytes)  # grads; params, mu, nu r+w
   print(
-    f"{len(shapes)} leaves, {n / 1e6:.1f}M float32 parameters;"
+    f"{len(shapes)} leaves, {n / 1e6:.1f}M {dtype.name} parameters;"
     f" analytic minimum {analytic_min / 1e6:.0f} MB per AdamW step",
     flush=True,
   )
@@ -286,7 +297,10 @@ def main(argv=None):
       if name.startswith("adamw") and case == "overflow":
         continue  # no skip logic: the overflow step would write NaNs
       g = inputs[(case, wants_scaled)]
-      box = [_bench.fresh_copy(params), init(params)]
+      init_params = params
+      if name.startswith("adamw") and dtype == jnp.float16:
+        init_params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+      box = [_bench.fresh_copy(params), init(init_params)]
       with jax.numpy_dtype_promotion("standard"):  # optax's adam, flax, jmp
         compiled = jitted.lower(box[0], box[1], g).compile()
       stats[(name, case)] = _bench.compiled_stats(compiled)
@@ -299,7 +313,7 @@ def main(argv=None):
       runners[(name, case)] = run
       print(f"compiled {name} / {case}", flush=True)
 
-  if not args.only:
+  if not args.only and dtype == jnp.float32:
     bad = misordered_donation(adam)
     box = [adam.init(params), _bench.fresh_copy(params)]
     with jax.numpy_dtype_promotion("standard"):
@@ -368,6 +382,7 @@ def main(argv=None):
   payload = dict(
     benchmark="optimizer_step",
     environment=_bench.environment(),
+    dtype=dtype.name,
     leaves=len(shapes),
     parameters=n,
     analytic_min_bytes=analytic_min,
