@@ -81,14 +81,11 @@ def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
     return jnp.all(
       jnp.stack([jnp.all(jnp.isfinite(_times(x, factor))) for x in leaves])
     )
-  # `sum(x - x)` is 0 when every element is finite and NaN otherwise (inf -
-  # inf is NaN, NaN propagates); with a factor, the largest magnitude is
-  # taken in the same pass, and times the factor it is finite exactly when
-  # every product is (rounding is monotonic). A reduction with no
+  # A float sum of `x - x` (or, with a factor, of `x * factor * 0`) is 0
+  # when every element is finite and NaN otherwise: a reduction with no
   # temporaries, where `all(isfinite(x))` first writes a bool array per
-  # leaf, and `sum(x * factor * 0)` had XLA:CPU write the broadcast factor
-  # and 0 out for its reduction kernel (docs/performance.md). One flag per
-  # group, joined in a chain of scalar ands, cheaper to compile than
+  # leaf (docs/performance.md; on XLA:CPU see `cpu_reductions`). One flag
+  # per group, joined in a chain of scalar ands, cheaper to compile than
   # stacking a thousand flags.
   return functools.reduce(operator.and_, _flags(leaves, factor))
 
