@@ -92,14 +92,16 @@ def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
 
 def _flags(leaves: list[jax.Array], factor: Any) -> list[jax.Array]:
   """`_finite_flag(factor, *group)` for each group of leaves: small leaves
-  of one size and dtype `_GROUP` at a time, large ones alone."""
+  of one shape and dtype `_GROUP` at a time, large ones alone. Leaves are
+  combined and reduced in their own shapes: flattening a leaf sharded on
+  another than its first dimension makes XLA gather it whole."""
   flags: list[jax.Array] = []
-  groups: dict[tuple[int, Any], list[jax.Array]] = {}
+  groups: dict[tuple[Any, Any], list[jax.Array]] = {}
   for x in leaves:
     if x.size > _OWN_REDUCTION:
       flags.append(_finite_flag(factor, x))
     else:
-      groups.setdefault((x.size, x.dtype), []).append(x)
+      groups.setdefault((x.shape, x.dtype), []).append(x)
   for same in groups.values():
     for i in range(0, len(same), _GROUP):
       flags.append(_finite_flag(factor, *same[i : i + _GROUP]))
@@ -115,22 +117,24 @@ def _finite_flag_for(cpu: bool, factor: Any, *leaves: jax.Array) -> jax.Array:
   # Jitted: traced once per group signature, not once per leaf, and one
   # call in the step's jaxpr per group.
   dtype = compute_dtype(leaves[0].dtype)
-  flat = [x.reshape(-1).astype(dtype) for x in leaves]
+  xs = [x.astype(dtype) for x in leaves]
   if factor is not None and not cpu:
     # One sum, with the factor: one scalar all-reduce under SPMD sharding.
-    flat = [x * factor.astype(dtype) for x in flat]
-    return _is_zero([x * jnp.zeros([], dtype) for x in flat])
+    # `t - t`, not `t * 0`: with a constant factor XLA reassociates
+    # `(x * factor) * 0` into `x * 0`, and an overflow is lost.
+    ts = [x * factor.astype(dtype) for x in xs]
+    return _is_zero([t - t for t in ts])
   if factor is None:
-    return _is_zero([x - x for x in flat])
+    return _is_zero([x - x for x in xs])
   # XLA:CPU: one pass that takes no scalar operand (see `cpu_reductions`).
   # `max` alone is no check: XLA:CPU's vectorized `max` drops NaN.
-  zeros = _real(functools.reduce(operator.add, [x - x for x in flat]))
-  largest = functools.reduce(jnp.maximum, [_magnitude(x) for x in flat])
+  zeros = _real(functools.reduce(operator.add, [x - x for x in xs]))
+  largest = functools.reduce(jnp.maximum, [_magnitude(x) for x in xs])
   zero, largest = jax.lax.reduce(
     (zeros, largest),
     (jnp.zeros([], zeros.dtype), jnp.zeros([], largest.dtype)),
     lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
-    (0,),
+    tuple(range(zeros.ndim)),
   )
   return jnp.isfinite(zero) & jnp.isfinite(largest * factor.astype(largest.dtype))
 

@@ -212,7 +212,7 @@ def _apply_gradients(tx, grads, opt_state, params, **extra_args):
     # State computed wider than it is stored (bfloat16 moments) is written
     # after the new parameters, in place (`read_after`).
     old, ordered = read_after(opt_state, new_params)
-    if ordered and decision.widened and _compat.ORDER_FUSED_WRITES:
+    if ordered and decision.in_order and _compat.ORDER_FUSED_WRITES:
       _, new_state = update(old)
     # Transformations chained after the wrapper may change their state's
     # dtype (optax.trace on bfloat16 params): both branches keep `opt_state`'s.

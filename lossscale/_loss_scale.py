@@ -97,14 +97,16 @@ class Decision(NamedTuple):
     skipped: the wrapper's `LossScaleState` after skipping this step.
     incoming: the gradients the wrapper received (after the transformations
       chained before it), still scaled.
-    widened: whether the inner optimizer runs wider than the parameters
-      (float32 for half-precision ones), storing its state rounded.
+    in_order: whether the state the inner optimizer computes wider than it
+      stores (float32 for half-precision parameters) may be written in a
+      second call, after the new parameters (`read_after`): the inner
+      optimizer has no effects.
   """
 
   finite: jax.Array
   skipped: LossScaleState
   incoming: Any
-  widened: bool = False
+  in_order: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +334,9 @@ def _after(x: jax.Array, a: jax.Array) -> jax.Array:
   # One element of `a` times 0 is 0 or NaN, so `keep` is always true; XLA
   # does not fold `a * 0` (inf times 0 is NaN), so it cannot see that. A
   # select copies bits: subnormals and NaN payloads are kept.
-  zero = a.reshape(-1)[0].astype(jnp.float32) * jnp.float32(0)
+  # `a[0, ..., 0]`, not `a.reshape(-1)[0]`: flattening a leaf sharded on
+  # another than its first dimension makes XLA gather it whole.
+  zero = a[(0,) * a.ndim].astype(jnp.float32) * jnp.float32(0)
   keep = (zero == 0) | jnp.isnan(zero)
   return jnp.where(keep, x, -x)
 
@@ -594,20 +598,28 @@ def _wrap(
     if rule.enabled and params is not None:
       _check_gradients(fn, updates, params, state.inner_state, apply)
 
+    def shapes():
+      # The output shapes, and whether the inner optimizer writes the state
+      # after the updates in a second call (`read_after`): not when it has
+      # effects (`jax.debug.print`, callbacks), which would run twice.
+      closed, out = jax.make_jaxpr(apply, return_shape=True)()
+      return out, widened and not closed.effects
+
     if given is None:  # decide only
       skipped = LossScaleState(
         **_next_counters(rule, state, finite), inner_state=state.inner_state
       )
-      return _zeros(jax.eval_shape(apply)[0]), Decision(
-        finite, skipped, updates, widened
-      )
+      out, in_order = shapes()
+      return _zeros(out[0]), Decision(finite, skipped, updates, in_order)
     if given is _ORDINARY and rule.enabled:
       # `lax.cond`: a skipped step runs no optimizer, a finite one updates
       # the inner state in place (docs/performance.md has the measurements).
-      out = jax.eval_shape(apply)
+      out, in_order = shapes()
       operands = (updates, state, params)
       skip = lambda: (_zeros(out[0]), state.inner_state)
-      if not (widened and any(_is_half(x) for x in jax.tree.leaves(state.inner_state))):
+      if not (
+        in_order and any(_is_half(x) for x in jax.tree.leaves(state.inner_state))
+      ):
         new_updates, inner_state = _axes.cond(finite, apply, skip, operands=operands)
       else:
         # State stored narrower than it is computed (bfloat16 moments) is

@@ -102,12 +102,17 @@ def test_all_finite_finds_a_bad_element_in_any_leaf_of_a_group(bad):
 
 def test_all_finite_reduces_small_leaves_together():
   # A reduction per leaf made a thousand-leaf step compile for minutes
-  # (docs/performance.md, "How cost grows"): leaves of one size and dtype
+  # (docs/performance.md, "How cost grows"): leaves of one shape and dtype
   # are added up elementwise, 32 at a time, and reduced once.
   tree = {f"l{i:03d}": jnp.ones((4, 16) if i % 3 else (64,)) for i in range(640)}
   tree["own"] = jnp.ones(70_000)  # large: reduced on its own
   jaxpr = jax.make_jaxpr(ls.all_finite)(tree)
-  assert primitive_count(jaxpr, "reduce_sum") == 640 // 32 + 1
+  shaped = sum(1 for i in range(640) if i % 3)  # 427 of (4, 16), 213 of (64,)
+  groups = -(-shaped // 32) + -(-(640 - shaped) // 32)
+  assert primitive_count(jaxpr, "reduce_sum") == groups + 1
+  # Leaves are reduced in their own shapes: no reshape, which gathers a leaf
+  # sharded on another than its first dimension under SPMD sharding.
+  assert primitive_count(jaxpr, "reshape") == 0
 
 
 @pytest.mark.parametrize("cpu", [True, False], ids=["cpu", "gpu-tpu"])
@@ -136,3 +141,25 @@ def test_check_of_the_unscaled_gradients_is_exact_at_the_float32_range(
   huge = jnp.full(size, 3e38 + 3e38j, jnp.complex64)  # |z| overflows; parts do not
   assert bool(check({"z": huge}, jnp.float32(1.0)))
   assert not bool(check({"z": huge.at[at].set(complex(1, np.nan))}, jnp.float32(1)))
+
+
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu", "gpu-tpu"])
+def test_a_scale_below_one_known_at_compile_time_still_skips_an_overflow(
+  cpu, monkeypatch
+):
+  # A state closed over by `jit` (or made by `tx.init` in the same jit) is a
+  # constant: `(g * factor) * 0` would be folded into `g * 0` by XLA, and an
+  # overflow that only the unscale makes would be applied as -inf.
+  from lossscale import _finite
+
+  monkeypatch.setattr(_finite, "cpu_reductions", lambda: cpu)
+  tx = ls.static_loss_scale(optax.sgd(1.0), 0.25)
+  params = {"w": jnp.ones(4)}
+  state = tx.init(params)
+  g = {"w": jnp.full(4, 3e38)}  # finite; 3e38 / 0.25 is not
+  p, s = jax.jit(lambda g: ls.apply_gradients(tx, g, state, params))(g)
+  assert not bool(s.last_finite)
+  np.testing.assert_array_equal(p["w"], params["w"])
+  u, s = jax.jit(lambda g: tx.update(g, state, params))(g)
+  assert not bool(s.last_finite)
+  np.testing.assert_array_equal(u["w"], jnp.zeros(4))

@@ -377,3 +377,33 @@ def test_read_after_keeps_every_value_bit_for_bit():
   outs = jaxpr.jaxpr.outvars
   assert outs[0] not in jaxpr.jaxpr.invars  # ordered
   assert [o in jaxpr.jaxpr.invars for o in outs[1:]] == [True] * 3
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["apply_gradients", "update"])
+def test_inner_effects_run_once_per_step_with_bfloat16_params(fused):
+  # The bfloat16 state may be written by a second call of the inner
+  # optimizer (`read_after`), but not when it has effects: they would run
+  # twice.
+  calls = []
+  adam = optax.adam(1e-3)
+
+  def update(updates, state, params=None):
+    jax.debug.callback(lambda: calls.append(1))
+    return adam.update(updates, state, params)
+
+  tx = ls.dynamic_loss_scale(
+    optax.GradientTransformation(adam.init, update), initial_scale=SCALE
+  )
+  params = {"w": jnp.ones((8, 8), jnp.bfloat16)}
+
+  def step(g, s, p):
+    if fused:
+      return ls.apply_gradients(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  with standard_promotion():
+    p, s = jax.jit(step)(params, tx.init(params), params)
+    jax.block_until_ready(p)
+  assert len(calls) == 1
+  assert jax.tree.map(lambda x: x.dtype, s.inner_state[0].mu) == {"w": jnp.bfloat16}

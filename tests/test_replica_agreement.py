@@ -8,6 +8,8 @@ Without averaging, only `axis_name` keeps the replicas' decisions together.
 """
 
 import collections
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -336,7 +338,9 @@ def test_spmd_fsdp_finite_check_costs_one_scalar_all_reduce(cpu, monkeypatch):
     # The check's two partial results (sum and largest magnitude), one
     # value per device, gathered: two small collectives, nothing else.
     assert sum(extra.values()) <= 2
-    assert all(op == "all-gather" and shape == "f32[8]" for op, shape in extra)
+    for op, shape in extra:
+      dims = [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1])]
+      assert op == "all-gather" and math.prod(dims) <= 8, (op, shape)
     return
   # Each device checks its own shard of the sharded gradients; the compiler
   # combines the flags with one scalar all-reduce and adds nothing else. (XLA's
@@ -541,3 +545,31 @@ def _bare_adamw_on_clean_steps(opt, params, x, y, injected):
     for t in np.flatnonzero(~injected):
       params, state = step(params, state, x[t], y[t])
   return params
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["apply_gradients", "update"])
+def test_bfloat16_params_sharded_on_a_later_dimension_are_not_gathered(fused):
+  # Tensor-parallel sharding of the second dimension: reading one element of
+  # a parameter (the ordering flag of the bfloat16 moments) or checking a
+  # leaf must not flatten it, which makes XLA gather it whole.
+  mesh = make_mesh()
+  shard = NamedSharding(mesh, P(None, "batch"))
+  params = {"v": jax.device_put(jnp.ones((64, 64), jnp.bfloat16), shard)}
+  grads = {"v": jax.device_put(jnp.ones((64, 64), jnp.bfloat16), shard)}
+  tx = ls.dynamic_loss_scale(optax.adam(1e-3))
+
+  def step(g, s, p):
+    if fused:
+      return ls.apply_gradients(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  with jax.numpy_dtype_promotion("standard"):
+    state = jax.jit(tx.init)(params)
+    hlo = jax.jit(step).lower(grads, state, params).compile().as_text()
+    p, _ = jax.jit(step)(grads, state, params)
+  for (op, shapes), _ in collectives(hlo).items():
+    for shape in shapes:
+      dims = [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1])]
+      assert math.prod(dims) <= 8, (op, shape)  # one value per device at most
+  assert p["v"].sharding.is_equivalent_to(shard, 2)
