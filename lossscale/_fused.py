@@ -211,9 +211,12 @@ def _apply_gradients(tx, grads, opt_state, params, **extra_args):
       new_params = _apply_updates(params, updates)
     # State computed wider than it is stored (bfloat16 moments) is written
     # after the new parameters, in place (`read_after`).
-    old, ordered = read_after(opt_state, new_params)
-    if ordered and decision.in_order and _compat.ORDER_FUSED_WRITES:
-      _, new_state = update(old)
+    # `is True`: a `tx.update` under its own `jax.jit` hands the flag back
+    # as an array; then the state is written as it is (copied).
+    if decision.in_order is True and _compat.ORDER_FUSED_WRITES:
+      old, ordered = read_after(opt_state, new_params)
+      if ordered:
+        _, new_state = update(old)
     # Transformations chained after the wrapper may change their state's
     # dtype (optax.trace on bfloat16 params): both branches keep `opt_state`'s.
     return new_params, _like(new_state, opt_state)

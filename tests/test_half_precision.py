@@ -15,7 +15,7 @@ import optax.contrib
 import pytest
 
 import lossscale as ls
-from _helpers import assert_trees_equal, standard_promotion
+from _helpers import assert_trees_equal, bytes_accessed, standard_promotion
 from lossscale import _compat
 
 SCALE = 2.0**10  # a power of two: scaling and unscaling are exact
@@ -328,9 +328,7 @@ def _compiled_costs(dtype):
       ("fused", fused, tx.init(params)),
     ]:
       c = jax.jit(f, donate_argnums=(0, 1)).lower(params, state, params).compile()
-      analysis = c.cost_analysis()
-      analysis = analysis[0] if isinstance(analysis, list) else analysis
-      costs[name] = (analysis["bytes accessed"], c.memory_analysis().temp_size_in_bytes)
+      costs[name] = (bytes_accessed(c), c.memory_analysis().temp_size_in_bytes)
   return costs, sum(x.nbytes for x in jax.tree.leaves(params))
 
 
@@ -407,3 +405,16 @@ def test_inner_effects_run_once_per_step_with_bfloat16_params(fused):
     jax.block_until_ready(p)
   assert len(calls) == 1
   assert jax.tree.map(lambda x: x.dtype, s.inner_state[0].mu) == {"w": jnp.bfloat16}
+
+
+def test_apply_gradients_with_an_already_jitted_update_and_bfloat16_params():
+  # The wrapper's decision comes back through `jax.jit`, its flags as arrays.
+  inner = ls.dynamic_loss_scale(optax.adam(1e-2), initial_scale=SCALE)
+  tx = optax.GradientTransformation(inner.init, jax.jit(inner.update))
+  params = {"w": jnp.full((4, 4), 0.5, jnp.bfloat16)}
+  grads = {"w": jnp.full((4, 4), SCALE * 1e-2, jnp.bfloat16)}
+  with standard_promotion():
+    state = tx.init(params)
+    got = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))(grads, state, params)
+    want = ls.apply_gradients(inner, grads, state, params)
+  assert_trees_equal(got, want)
