@@ -312,9 +312,9 @@ def read_after(old: Any, after: Any) -> tuple[Any, bool]:
   ordered = []
 
   def leaf(x: Any, a: Any) -> Any:
+    # Half-precision leaves are floating (`compute_dtype` keeps complex).
     if not (
       _is_half(x)
-      and jnp.issubdtype(x.dtype, jnp.floating)
       and is_inexact(a)
       and jnp.issubdtype(a.dtype, jnp.floating)
       and jnp.size(a) > 0

@@ -198,6 +198,19 @@ def collectives(hlo_text):
   return found
 
 
+def elements(shape):
+  """How many elements an HLO shape string holds (`"f32[8,1]"`: 8)."""
+  dims = re.findall(r"\d+", shape.split("[", 1)[1])
+  return int(np.prod([int(d) for d in dims]))
+
+
+def bytes_accessed(compiled):
+  """XLA's cost-model bytes of a compiled step (a list on older jaxlib)."""
+  analysis = compiled.cost_analysis()
+  analysis = analysis[0] if isinstance(analysis, list) else analysis
+  return analysis["bytes accessed"]
+
+
 # ---------------------------------------------------------------------------
 # Counting XLA compilations (the same event on the newest and oldest JAX).
 

@@ -17,6 +17,7 @@ import lossscale as ls
 from _helpers import (
   assert_trees_close,
   assert_trees_equal,
+  bytes_accessed,
   collectives,
   make_mesh,
   standard_promotion,
@@ -488,12 +489,6 @@ def test_compiled_step_has_one_cond_and_no_param_sized_temporaries():
     assert not copied & set(donated)
 
 
-def _bytes_accessed(compiled):
-  analysis = compiled.cost_analysis()
-  analysis = analysis[0] if isinstance(analysis, list) else analysis
-  return analysis["bytes accessed"]
-
-
 def test_the_finite_check_costs_no_more_than_the_bare_check():
   # XLA's own byte count: the fused step within a few percent of the bare
   # step that also runs `all_finite` (an unscale with two multiplies in the
@@ -516,7 +511,7 @@ def test_the_finite_check_costs_no_more_than_the_bare_check():
   def cost(f, state):
     with standard_promotion():
       lowered = jax.jit(f, donate_argnums=(0, 1)).lower(params, state, params)
-      return _bytes_accessed(lowered.compile())
+      return bytes_accessed(lowered.compile())
 
   base = cost(checked, adam.init(params))
   assert cost(fused, tx.init(params)) <= 1.14 * base

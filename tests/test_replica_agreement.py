@@ -8,8 +8,6 @@ Without averaging, only `axis_name` keeps the replicas' decisions together.
 """
 
 import collections
-import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +25,7 @@ from _helpers import (
   NAN,
   ScaleRule,
   collectives,
+  elements,
   make_mesh,
   reference_rule,
   stack,
@@ -339,8 +338,7 @@ def test_spmd_fsdp_finite_check_costs_one_scalar_all_reduce(cpu, monkeypatch):
     # value per device, gathered: two small collectives, nothing else.
     assert sum(extra.values()) <= 2
     for op, shape in extra:
-      dims = [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1])]
-      assert op == "all-gather" and math.prod(dims) <= 8, (op, shape)
+      assert op == "all-gather" and elements(shape) <= 8, (op, shape)
     return
   # Each device checks its own shard of the sharded gradients; the compiler
   # combines the flags with one scalar all-reduce and adds nothing else. (XLA's
@@ -570,6 +568,5 @@ def test_bfloat16_params_sharded_on_a_later_dimension_are_not_gathered(fused):
     p, _ = jax.jit(step)(grads, state, params)
   for (op, shapes), _ in collectives(hlo).items():
     for shape in shapes:
-      dims = [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1])]
-      assert math.prod(dims) <= 8, (op, shape)  # one value per device at most
+      assert elements(shape) <= 8, (op, shape)  # one value per device at most
   assert p["v"].sharding.is_equivalent_to(shard, 2)
