@@ -88,7 +88,7 @@ def cond(
   """
   leaves = jax.tree_util.tree_leaves((pred, operands))
   if not any(_compat.varying_axes(x) for x in leaves if hasattr(x, "dtype")):
-    return _split.cond(pred, true_fn, false_fn, jax.lax.cond)
+    return _split.cond(pred, true_fn, false_fn)
   return _split.cond(pred, true_fn, false_fn, _varying_cond)
 
 

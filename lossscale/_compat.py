@@ -74,3 +74,14 @@ def _jaxlib_version() -> tuple[int, ...]:
 # 0.9.0.1. From 0.9.1 on, XLA writes them in place once ordered: 1.30x
 # against 1.60x (1M bfloat16 parameters, benchmarks/half_precision.py).
 ORDER_FUSED_WRITES = _jaxlib_version() >= (0, 9, 1)
+
+
+def new_var(aval: Any) -> Any:
+  """A fresh jaxpr variable of type `aval` (jax 0.4.35 also took a suffix)."""
+  import jax.extend.core as jax_core
+
+  var: Any = jax_core.Var
+  try:
+    return var(aval)
+  except TypeError:
+    return var("", aval)

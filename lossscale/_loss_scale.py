@@ -208,30 +208,41 @@ def _widen(tree: Any) -> Any:
 _LARGEST_NORMAL_RECIPROCAL = 2.0**126
 
 
-def _unscale(
-  grads: Any,
-  loss_scale: jax.Array,
-  *,
-  keep_dtype: bool = False,
-  zero_unless: jax.Array | None = None,
-) -> Any:
-  """`grads * (1 / loss_scale)` in the wider of float32 and each leaf's dtype.
+def _unscale_factors(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The two factors `_unscale` multiplies by, in turn, for `loss_scale`.
 
   Above 2**126 the float32 reciprocal is subnormal, which XLA flushes to
   zero: there the gradients are first multiplied by 2**-64 (exact) and then
   by `2**64 / loss_scale`, the same rounding as `1 / loss_scale`. Below it
   the first factor is 1 and the result is `grads * (1 / loss_scale)` bit for
-  bit. With `keep_dtype` each leaf is cast back to its own dtype: with a
-  scale of 1 that is every leaf bit for bit. With `zero_unless`, a flag,
-  every leaf is zeros where the flag is false.
+  bit.
   """
   f32 = jnp.float32
   big = loss_scale > f32(_LARGEST_NORMAL_RECIPROCAL)
   pre = jnp.where(big, f32(2.0**-64), f32(1.0))
   inv = jnp.where(big, f32(2.0**64), f32(1.0)) / loss_scale
   # A constant scale (state closed over by `jit`) must not let XLA merge the
-  # two factors back into a subnormal one (still possible on jax 0.4.35).
-  pre, inv = _compat.hide_from_constant_folding((pre, inv))
+  # two factors back into a subnormal one. Computed where the scale is:
+  # from a constant scale, factors computed inside a call of their own were
+  # merged on XLA:CPU, which drops the barrier before fusion.
+  return _compat.hide_from_constant_folding((pre, inv))
+
+
+def _unscale(
+  grads: Any,
+  factors: tuple[jax.Array, jax.Array],
+  *,
+  keep_dtype: bool = False,
+  zero_unless: jax.Array | None = None,
+) -> Any:
+  """`grads * (1 / loss_scale)` in the wider of float32 and each leaf's dtype,
+  `factors` being `_unscale_factors(loss_scale)`.
+
+  With `keep_dtype` each leaf is cast back to its own dtype: with a scale of
+  1 that is every leaf bit for bit. With `zero_unless`, a flag, every leaf
+  is zeros where the flag is false.
+  """
+  pre, inv = factors
   if zero_unless is not None:
     return jax.tree.map(
       lambda g: _unscale_leaf_or_zero(g, pre, inv, zero_unless) if is_inexact(g) else g,
@@ -506,11 +517,52 @@ def _wrap(
   """Builds the wrapper; the one place the skip-and-adjust logic lives."""
   _check_inner(fn, inner)
   inner = optax.with_extra_args_support(inner)
-  # Traced once per step however often a step asks for it (lossscale/_once.py);
+
+  def run_apply(updates, scaling, finite, inner_state, params, extra_args, widened):
+    """The inner optimizer's step on the unscaled gradients (`finite` false:
+    on zeros), its state kept in the dtypes it had. `scaling` is the loss
+    scale (`enabled=False`) or `_unscale_factors` of it."""
+
+    def unscaled(tree):
+      # Computed where it is used, not shared with the decision: XLA fuses
+      # it into the inner optimizer, and the check into its reduction, so no
+      # param-sized unscaled copy is ever written (sharing one made
+      # `lax.cond` take it as a materialized operand).
+      tree = numbers_as_arrays(tree)
+      if not rule.enabled:
+        # A `lax.cond`, not a multiply by 1: the gradients themselves on a
+        # fresh state, so the inner optimizer compiles as it does bare (a
+        # multiply by a traced 1 changed XLA's fusion, and the last bits).
+        if not isinstance(scaling, jax.core.Tracer):  # eager: decided here
+          if scaling == 1:
+            return tree
+          return _unscale(tree, _unscale_factors(scaling), keep_dtype=True)
+        return jax.lax.cond(
+          scaling == 1,
+          lambda: tree,
+          lambda: _unscale(tree, _unscale_factors(scaling), keep_dtype=True),
+        )
+      # A select, not a multiply: where both branches run (`jax.vmap` with a
+      # per-member flag) the inner optimizer sees zeros, never inf or NaN.
+      return _unscale(tree, scaling, zero_unless=finite)
+
+    extra = {
+      k: unscaled(v) if k in GRADIENT_EXTRA_ARGS else v for k, v in extra_args.items()
+    }
+    # Widened where they are used: taken from outside `lax.cond`, the float32
+    # params would be written out as one of its operands.
+    inner_params = _widen(params) if widened else params
+    widened_state = _widen(inner_state) if widened else inner_state
+    new_updates, new_state = inner.update(
+      unscaled(updates), widened_state, inner_params, **extra
+    )
+    return new_updates, _like(new_state, inner_state)
+
+  # Traced once per step however often a step asks for it (lossscale/_once.py):
+  # for the output shapes, in a conditional, for the state in a second call.
   # `enabled=False` calls `inner` as it is, to be exactly it, eagerly too.
-  run_inner = lambda u, s, p, e: inner.update(u, s, p, **e)
   if rule.enabled:
-    run_inner = _once.once(run_inner)
+    run_apply = _once.once(run_apply)
 
   def init_fn(params):
     # float16 optimizer state underflows (Adam's second moment is 0 for any
@@ -560,40 +612,12 @@ def _wrap(
       _is_half(x) for x in jax.tree_util.tree_leaves((updates, params))
     )
 
-    def unscaled(tree):
-      # Computed where it is used, not shared with the decision: XLA fuses
-      # it into the inner optimizer, and the check into its reduction, so no
-      # param-sized unscaled copy is ever written (sharing one made
-      # `lax.cond` take it as a materialized operand).
-      tree = numbers_as_arrays(tree)
-      if not rule.enabled:
-        # A `lax.cond`, not a multiply by 1: the gradients themselves on a
-        # fresh state, so the inner optimizer compiles as it does bare (a
-        # multiply by a traced 1 changed XLA's fusion, and the last bits).
-        if not isinstance(scale, jax.core.Tracer):  # eager: decided here
-          return tree if scale == 1 else _unscale(tree, scale, keep_dtype=True)
-        return jax.lax.cond(
-          scale == 1,
-          lambda: tree,
-          lambda: _unscale(tree, scale, keep_dtype=True),
-        )
-      # A select, not a multiply: where both branches run (`jax.vmap` with a
-      # per-member flag) the inner optimizer sees zeros, never inf or NaN.
-      return _unscale(tree, scale, zero_unless=finite)
-
-    def inner_update(inner_state):
-      extra = {
-        k: unscaled(v) if k in GRADIENT_EXTRA_ARGS else v for k, v in extra_args.items()
-      }
-      # Widened where it is used: taken from outside `lax.cond`, the float32
-      # params would be written out as one of its operands.
-      inner_params = _widen(params) if widened else params
-      return run_inner(unscaled(updates), inner_state, inner_params, extra)
+    scaling = _unscale_factors(scale) if rule.enabled else scale
 
     def apply(inner_state=state.inner_state):
-      widened_state = _widen(inner_state) if widened else inner_state
-      new_updates, new_state = inner_update(widened_state)
-      return new_updates, _like(new_state, state.inner_state)
+      return run_apply(
+        updates, scaling, finite, inner_state, params, extra_args, widened
+      )
 
     if rule.enabled and params is not None:
       _check_gradients(fn, updates, params, state.inner_state, apply)

@@ -1,9 +1,10 @@
 """Tracing a function once per argument types, however often it is called.
 
-A wrapper's step traces its inner optimizer where it needs its output
-shapes (`jax.eval_shape`, for a skipped step's zero updates) and again where
-it runs it (a branch of `lax.cond`, or the second pass of
-`apply_gradients`). Tracing an optimizer costs milliseconds per parameter
+A wrapper's step traces its inner step (the unscale, the inner optimizer,
+its state cast back to its dtypes) where it needs its output shapes (for a
+skipped step's zero updates) and again where it runs it (a branch of
+`lax.cond`, the second pass of `apply_gradients`, the second call that
+writes bfloat16 state last). Tracing an optimizer costs milliseconds per parameter
 leaf, so tracing it once matters for models with thousands of leaves.
 `once(fn)` routes every call through one `jax.jit` of `fn`: JAX caches the
 trace by the arguments' types, so later calls with the same types (under

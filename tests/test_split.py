@@ -211,3 +211,40 @@ def test_debug_nans_skipped_step_makes_no_nan():
     new, state = ls.apply_gradients(tx, grads, tx.init(params), params)
   assert int(state.skipped_steps) == 1
   assert_trees_equal(new, params)
+
+
+def test_built_conditionals_match_lax_cond_on_odd_outputs():
+  # The conditionals are built from the traced equations, not traced again:
+  # constants and literals as outputs, values passed straight through,
+  # operands both branches read, an inlined call whose output is its
+  # input, integer and boolean outputs, a scalar several groups use. JAX's
+  # own checks (`jax_enable_checks`) type-check every built jaxpr.
+  n = 40
+  xs = [jnp.full((3,), i - 20.0, jnp.float32) for i in range(n)]
+  ints = jnp.arange(n, dtype=jnp.int32)
+
+  @jax.jit
+  def pair(x, y):  # an inlined call: several outputs, one its own input
+    return x * 2.0 + y, y, jnp.sum(x) > 0
+
+  def true_fn():
+    total = sum(jnp.sum(x) for x in xs)  # a scalar every group uses
+    out = []
+    for i, x in enumerate(xs):
+      a, b, positive = pair(x, xs[(i + 1) % n])
+      out.append((a / total, b, positive, ints[i] + 1, jnp.float32(1.5), x))
+    return out, ints
+
+  def false_fn():
+    return [
+      (x, jnp.zeros(3), jnp.bool_(False), ints[i], jnp.float32(-1.0), xs[0])
+      for i, x in enumerate(xs)
+    ], ints * 2
+
+  with jax.enable_checks(True):
+    for pred in (True, False):
+      split = jax.jit(lambda p: _split.cond(p, true_fn, false_fn))(pred)
+      whole = jax.jit(lambda p: jax.lax.cond(p, true_fn, false_fn))(pred)
+      assert_trees_equal(split, whole)
+      conds = _conds(jax.make_jaxpr(lambda p: _split.cond(p, true_fn, false_fn))(pred))
+      assert len(conds) > 1
