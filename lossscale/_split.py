@@ -296,7 +296,19 @@ def _built_cond(
 ) -> list[Any] | None:
   """A conditional on jaxprs built from `_Graph` equations: `true` and
   `false` are `(graph, nodes, outs, env)`. None when the branches' output
-  types differ (then `lax.cond` must reconcile them)."""
+  types differ (then `lax.cond` must reconcile them), or when this JAX
+  builds or binds jaxprs in a way this does not know (the same step, traced
+  again by `lax.cond`: slower, never different; the test suite checks that
+  the supported releases take this path)."""
+  try:
+    return _bind_built_cond(pred, true, false, debug_info)
+  except Exception:
+    return None
+
+
+def _bind_built_cond(
+  pred: Any, true: _Branch, false: _Branch, debug_info: Any
+) -> list[Any] | None:
   operands = _Operands()
   t_vars, t_eqns, t_outs = _branch(*true, operands)
   f_vars, f_eqns, f_outs = _branch(*false, operands)

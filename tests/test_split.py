@@ -241,10 +241,22 @@ def test_built_conditionals_match_lax_cond_on_odd_outputs():
       for i, x in enumerate(xs)
     ], ints * 2
 
+  traced_again = []
+  lax_cond = jax.lax.cond
+
+  def counting_cond(*args, **kwargs):
+    traced_again.append(1)
+    return lax_cond(*args, **kwargs)
+
   with jax.enable_checks(True):
     for pred in (True, False):
-      split = jax.jit(lambda p: _split.cond(p, true_fn, false_fn))(pred)
+      with pytest.MonkeyPatch.context() as m:
+        m.setattr(jax.lax, "cond", counting_cond)
+        split = jax.jit(lambda p: _split.cond(p, true_fn, false_fn))(pred)
+        jaxpr = jax.make_jaxpr(lambda p: _split.cond(p, true_fn, false_fn))(pred)
       whole = jax.jit(lambda p: jax.lax.cond(p, true_fn, false_fn))(pred)
       assert_trees_equal(split, whole)
-      conds = _conds(jax.make_jaxpr(lambda p: _split.cond(p, true_fn, false_fn))(pred))
-      assert len(conds) > 1
+      assert len(_conds(jaxpr)) > 1
+  # Every conditional was built, none traced again by `lax.cond` (its
+  # fallback, for a JAX whose jaxprs this cannot build).
+  assert not traced_again
