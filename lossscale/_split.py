@@ -282,10 +282,13 @@ def _types(atoms: list[Any]) -> list[tuple]:
 def _debug_info(like: Any) -> Any:
   """Debug info for a jaxpr built from `like`'s equations: its function's,
   argument and result names unknown (JAX before 0.5 takes None)."""
-  info = like.jaxpr.debug_info
+  info = getattr(like.jaxpr, "debug_info", None)
   if info is None or not hasattr(info, "resolve_result_paths"):
     return None
-  return info._replace(arg_names=None, result_paths=None)
+  try:
+    return info._replace(arg_names=None, result_paths=None)
+  except (AttributeError, TypeError, ValueError):  # another JAX's spelling
+    return None
 
 
 _Branch = tuple[_Graph, list[int], list[int], dict[int, Any]]
