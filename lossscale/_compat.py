@@ -8,6 +8,7 @@ the package uses spellings that exist at both ends (`jax.tree_util.*`,
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -76,12 +77,20 @@ def _jaxlib_version() -> tuple[int, ...]:
 ORDER_FUSED_WRITES = _jaxlib_version() >= (0, 9, 1)
 
 
+@functools.cache
+def _var_takes_suffix() -> bool:
+  import jax.extend.core as jax_core
+
+  return "suffix" in inspect.signature(jax_core.Var).parameters
+
+
 def new_var(aval: Any) -> Any:
-  """A fresh jaxpr variable of type `aval` (jax 0.4.35 also took a suffix)."""
+  """A fresh jaxpr variable of type `aval` (jax 0.4.35 also took a suffix).
+
+  Which constructor this JAX has is found once: a large step makes tens of
+  thousands of variables.
+  """
   import jax.extend.core as jax_core
 
   var: Any = jax_core.Var
-  try:
-    return var(aval)
-  except TypeError:
-    return var("", aval)
+  return var("", aval) if _var_takes_suffix() else var(aval)
