@@ -1,0 +1,179 @@
+"""Where a step's compile time goes: XLA's passes and its buffer assignment.
+
+Usage:
+  python benchmarks/compile_phases.py [--leaves 500,1000,2000]
+      [--variants bare,update,fused] [--json out.json]
+
+Each variant of `benchmarks/compile_time.py` (the jitted AdamW step on
+leaves of 64 float32, params and state donated) is compiled in a process of
+its own with XLA's logging switched on
+(`TF_CPP_VMODULE=hlo_pass_pipeline=1,buffer_assignment=1`). From that log:
+
+- `passes_s`: the time of the HLO passes on the step's module, summed, and
+  the three largest;
+- `scan_s`: buffer assignment, from "Number of buffers to assign" to the
+  heap simulation. Each buffer that is neither a parameter nor an output
+  is first offered, in turn, to every allocation of a donated argument
+  before it goes to the heap simulator, so this phase grows as the number
+  of such temporaries times the number of donated arrays;
+- `temp_bytes`: the compiled step's temporaries (`memory_analysis`).
+
+Logging slows the passes a little; the trace and compile times printed are
+CPU seconds of the child process and are comparable with each other, not
+with `compile_time.py`'s. The log's wording is XLA's (jaxlib 0.4.35 to
+0.10.2 write the same lines); a phase the log does not show is reported as
+None.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+
+_CHILD = r"""
+import sys, time
+sys.path.insert(0, {bench!r})
+import jax, jax.numpy as jnp, optax
+import compile_time
+n, name = {n}, {name!r}
+init, step = compile_time._variants(optax.adamw(1e-4))[name]
+params = {{f"l{{i:05d}}": jnp.zeros((64,), jnp.float32) for i in range(n)}}
+state = init(params)
+with jax.numpy_dtype_promotion("standard"):
+  t0 = time.process_time()
+  traced = jax.jit(step, donate_argnums=(0, 1)).trace(params, state, params)
+  t1 = time.process_time()
+  lowered = traced.lower()
+  t2 = time.process_time()
+  compiled = lowered.compile()
+  t3 = time.process_time()
+temp = compiled.memory_analysis().temp_size_in_bytes
+print("RESULT", t1 - t0, t2 - t1, t3 - t2, temp)
+"""
+
+VARIANTS = {
+  "bare": "adamw (bare)",
+  "update": "lossscale: tx.update + apply_updates",
+  "fused": "lossscale.apply_gradients",
+  "apply_if_finite": "optax.apply_if_finite",
+}
+
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def _time(line: str) -> datetime.datetime | None:
+  m = re.search(r"(\d\d:\d\d:\d\d\.\d+)", line)
+  return datetime.datetime.strptime(m.group(1), "%H:%M:%S.%f") if m else None
+
+
+def parse_log(log: str) -> dict:
+  """Pass times on the step's module and the buffer-assignment phases."""
+  passes: collections.Counter[str] = collections.Counter()
+  module = None
+  for line in log.splitlines():
+    m = re.search(r"Running HLO pass pipeline on module (\S+):", line)
+    if m:
+      module = m.group(1)
+    m = re.search(r"HLO pass: (\S+) time: ([\d.]+) (us|ms|s) \(", line)
+    # The step is the module compiled last; JAX's small helpers come first.
+    if m and module is not None:
+      passes[(module, m.group(1))] += float(m.group(2)) * _UNITS[m.group(3)]
+  step_module = module
+  step_passes = {k[1]: v for k, v in passes.items() if k[0] == step_module}
+  lines = log.splitlines()
+  counts = [i for i, line in enumerate(lines) if "Number of buffers to assign" in line]
+  scan = heap = n_buffers = None
+  if counts:
+    i = counts[-1]
+    n_buffers = int(lines[i].split()[-1])
+    after = lines[i:]
+    heap_line = next((x for x in after if "Running whole-module heap" in x), None)
+    done_line = next((x for x in after if "Buffer assignment done" in x), None)
+    t0, t1 = _time(lines[i]), _time(heap_line or "")
+    t2 = _time(done_line or "")
+    if t0 and t1:
+      scan = (t1 - t0).total_seconds()
+    if t1 and t2:
+      heap = (t2 - t1).total_seconds()
+  top = sorted(step_passes.items(), key=lambda kv: -kv[1])[:3]
+  return dict(
+    module=step_module,
+    passes_s=sum(step_passes.values()) if step_passes else None,
+    top_passes={k: round(v, 3) for k, v in top},
+    buffers=n_buffers,
+    scan_s=scan,
+    heap_s=heap,
+  )
+
+
+def measure(n_leaves: int, variant: str) -> dict:
+  bench = os.path.dirname(os.path.abspath(__file__))
+  env = dict(
+    os.environ,
+    TF_CPP_MIN_LOG_LEVEL="0",
+    TF_CPP_VMODULE="hlo_pass_pipeline=1,buffer_assignment=1",
+  )
+  child = _CHILD.format(bench=bench, n=n_leaves, name=VARIANTS[variant])
+  out = subprocess.run(
+    [sys.executable, "-c", child], env=env, capture_output=True, text=True, check=True
+  )
+  result = next(x for x in out.stdout.splitlines() if x.startswith("RESULT"))
+  trace, lower, compile_, temp = (float(x) for x in result.split()[1:])
+  return dict(
+    variant=variant,
+    leaves=n_leaves,
+    trace_s=trace,
+    lower_s=lower,
+    compile_s=compile_,
+    temp_bytes=int(temp),
+    **parse_log(out.stderr),
+  )
+
+
+def _fmt(x: float | None) -> str:
+  return "-" if x is None else f"{x:.2f}"
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--leaves", default="500,1000,2000")
+  ap.add_argument("--variants", default="bare,update,fused")
+  ap.add_argument("--json", default=None, help="where to write the JSON")
+  args = ap.parse_args(argv)
+  records = []
+  print(
+    "| leaves | variant | trace + compile (CPU s) | HLO passes (s) | buffer"
+    " assignment: scan (s) | heap simulation (s) | temporaries (KB) |"
+  )
+  print("|---:|---|---:|---:|---:|---:|---:|")
+  for n in (int(x) for x in args.leaves.split(",")):
+    for v in args.variants.split(","):
+      r = measure(n, v)
+      records.append(r)
+      total = r["trace_s"] + r["lower_s"] + r["compile_s"]
+      print(
+        f"| {n} | {v} | {total:.2f} | {_fmt(r['passes_s'])} | {_fmt(r['scan_s'])}"
+        f" | {_fmt(r['heap_s'])} | {r['temp_bytes'] / 1e3:.0f} |",
+        flush=True,
+      )
+  if args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+      json.dump(dict(jax_version=_jax_version(), records=records), f, indent=2)
+    print(f"wrote {args.json}")
+
+
+def _jax_version() -> str:
+  import jax
+
+  return jax.__version__
+
+
+if __name__ == "__main__":
+  main()
