@@ -13,16 +13,19 @@ its own with XLA's logging switched on
   the three largest;
 - `scan_s`: buffer assignment, from "Number of buffers to assign" to the
   heap simulation. Each buffer that is neither a parameter nor an output
-  is first offered, in turn, to every allocation of a donated argument
-  before it goes to the heap simulator, so this phase grows as the number
-  of such temporaries times the number of donated arrays;
+  is first offered, in turn, to every reusable allocation made before it
+  (with the arguments donated: their buffers) before it goes to the heap
+  simulator, so this phase grows as the number of such temporaries times
+  the number of donated arrays;
 - `temp_bytes`: the compiled step's temporaries (`memory_analysis`).
 
 Logging slows the passes a little; the trace and compile times printed are
 CPU seconds of the child process and are comparable with each other, not
-with `compile_time.py`'s. The log's wording is XLA's (jaxlib 0.4.35 to
-0.10.2 write the same lines); a phase the log does not show is reported as
-None.
+with `compile_time.py`'s. Only the step's module (`jit_<variant>`) is read,
+and a pipeline nested in another counts once, by its own passes. The log's
+wording is XLA's (jaxlib 0.4.35 to 0.10.2 write the same lines); a phase
+the log does not show is reported as None. The persistent compilation
+cache is off in the child.
 """
 
 from __future__ import annotations
@@ -72,39 +75,47 @@ def _time(line: str) -> datetime.datetime | None:
   return datetime.datetime.strptime(m.group(1), "%H:%M:%S.%f") if m else None
 
 
-def parse_log(log: str) -> dict:
-  """Pass times on the step's module and the buffer-assignment phases."""
-  passes: collections.Counter[str] = collections.Counter()
-  module = None
-  for line in log.splitlines():
-    m = re.search(r"Running HLO pass pipeline on module (\S+):", line)
-    if m:
-      module = m.group(1)
-    m = re.search(r"HLO pass: (\S+) time: ([\d.]+) (us|ms|s) \(", line)
-    # The step is the module compiled last; JAX's small helpers come first.
-    if m and module is not None:
-      passes[(module, m.group(1))] += float(m.group(2)) * _UNITS[m.group(3)]
-  step_module = module
-  step_passes = {k[1]: v for k, v in passes.items() if k[0] == step_module}
+def _seconds(a: str | None, b: str | None) -> float | None:
+  t0, t1 = _time(a or ""), _time(b or "")
+  if t0 is None or t1 is None:
+    return None
+  return (t1 - t0).total_seconds() % 86400  # a phase across midnight
+
+
+def parse_log(log: str, module: str) -> dict:
+  """`module`'s pass times and buffer-assignment phases, from XLA's log."""
   lines = log.splitlines()
-  counts = [i for i, line in enumerate(lines) if "Number of buffers to assign" in line]
+  times: collections.Counter[str] = collections.Counter()
+  pipelines: set[str] = set()
+  current = None
+  for line in lines:
+    m = re.search(r"Running HLO pass pipeline on module (\S+): (.*)$", line)
+    if m:
+      current = m.group(1)
+      if current == module:
+        pipelines.add(m.group(2).strip())
+    m = re.search(r"HLO pass: (\S+) time: ([\d.]+) (us|ms|s) \(", line)
+    if m and current == module:
+      times[m.group(1)] += float(m.group(2)) * _UNITS[m.group(3)]
+  # A pipeline run inside another is also logged as one of its passes:
+  # counted once, by its own passes.
+  passes = {k: v for k, v in times.items() if k not in pipelines}
+  at = next(
+    (i for i, x in enumerate(lines) if f"Assigning buffers to module {module}" in x),
+    None,
+  )
   scan = heap = n_buffers = None
-  if counts:
-    i = counts[-1]
-    n_buffers = int(lines[i].split()[-1])
-    after = lines[i:]
+  if at is not None:
+    after = lines[at:]
+    count = next((x for x in after if "Number of buffers to assign" in x), None)
     heap_line = next((x for x in after if "Running whole-module heap" in x), None)
     done_line = next((x for x in after if "Buffer assignment done" in x), None)
-    t0, t1 = _time(lines[i]), _time(heap_line or "")
-    t2 = _time(done_line or "")
-    if t0 and t1:
-      scan = (t1 - t0).total_seconds()
-    if t1 and t2:
-      heap = (t2 - t1).total_seconds()
-  top = sorted(step_passes.items(), key=lambda kv: -kv[1])[:3]
+    n_buffers = int(count.split()[-1]) if count else None
+    scan, heap = _seconds(count, heap_line), _seconds(heap_line, done_line)
+  top = sorted(passes.items(), key=lambda kv: -kv[1])[:3]
   return dict(
-    module=step_module,
-    passes_s=sum(step_passes.values()) if step_passes else None,
+    module=module,
+    passes_s=sum(passes.values()) if passes else None,
     top_passes={k: round(v, 3) for k, v in top},
     buffers=n_buffers,
     scan_s=scan,
@@ -118,11 +129,16 @@ def measure(n_leaves: int, variant: str) -> dict:
     os.environ,
     TF_CPP_MIN_LOG_LEVEL="0",
     TF_CPP_VMODULE="hlo_pass_pipeline=1,buffer_assignment=1",
+    # A persistent compilation cache would hand back the step uncompiled.
+    JAX_ENABLE_COMPILATION_CACHE="false",
   )
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   child = _CHILD.format(bench=bench, n=n_leaves, name=VARIANTS[variant])
   out = subprocess.run(
-    [sys.executable, "-c", child], env=env, capture_output=True, text=True, check=True
+    [sys.executable, "-c", child], env=env, capture_output=True, text=True
   )
+  if out.returncode:
+    sys.exit(f"{variant} at {n_leaves} leaves failed:\n{out.stderr[-3000:]}")
   result = next(x for x in out.stdout.splitlines() if x.startswith("RESULT"))
   trace, lower, compile_, temp = (float(x) for x in result.split()[1:])
   return dict(
@@ -132,7 +148,9 @@ def measure(n_leaves: int, variant: str) -> dict:
     lower_s=lower,
     compile_s=compile_,
     temp_bytes=int(temp),
-    **parse_log(out.stderr),
+    # The step function's name in compile_time._variants, as jax.jit names
+    # its module.
+    **parse_log(out.stderr, f"jit_{variant}"),
   )
 
 
@@ -146,14 +164,22 @@ def main(argv=None):
   ap.add_argument("--variants", default="bare,update,fused")
   ap.add_argument("--json", default=None, help="where to write the JSON")
   args = ap.parse_args(argv)
+  variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+  unknown = [v for v in variants if v not in VARIANTS]
+  if unknown:
+    ap.error(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
+  try:
+    sizes = [int(x) for x in args.leaves.split(",") if x.strip()]
+  except ValueError:
+    ap.error(f"--leaves: comma-separated integers, got {args.leaves!r}")
   records = []
   print(
     "| leaves | variant | trace + compile (CPU s) | HLO passes (s) | buffer"
     " assignment: scan (s) | heap simulation (s) | temporaries (KB) |"
   )
   print("|---:|---|---:|---:|---:|---:|---:|")
-  for n in (int(x) for x in args.leaves.split(",")):
-    for v in args.variants.split(","):
+  for n in sizes:
+    for v in variants:
       r = measure(n, v)
       records.append(r)
       total = r["trace_s"] + r["lower_s"] + r["compile_s"]
