@@ -467,6 +467,8 @@ def cond(
   built from the traced equations directly rather than traced again. The
   branches take no arguments (they close over their operands).
   """
+  build = one_cond is None
+  traced_cond = one_cond or jax.lax.cond
   true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
   false_closed = jax.make_jaxpr(false_fn)()
   leaves, tree = jax.tree_util.tree_flatten(out_shape)
@@ -484,11 +486,11 @@ def cond(
       return lambda: jax_core.jaxpr_as_fun(closed)()
 
     return jax.tree_util.tree_unflatten(
-      tree, (one_cond or jax.lax.cond)(pred, whole(true_closed), whole(false_closed))
+      tree, traced_cond(pred, whole(true_closed), whole(false_closed))
     )
 
   t, f = _Graph(true_closed), _Graph(false_closed)
-  debug_info = _debug_info(true_closed)
+  debug_info = _debug_info(true_closed) if build else None
 
   def run(graph: _Graph, nodes: list[int], outs: list[int], env: dict) -> list:
     env = dict(env)
@@ -508,12 +510,12 @@ def cond(
     t_nodes = t.slice(t_outs, boundary)
     f_nodes = f.slice(f_outs, set())
     results = None
-    if one_cond is None:
+    if build:
       results = _built_cond(
         pred, (t, t_nodes, t_outs, env), (f, f_nodes, f_outs, {}), debug_info
       )
     if results is None:
-      results = (one_cond or jax.lax.cond)(
+      results = traced_cond(
         pred,
         functools.partial(run, t, t_nodes, t_outs, env),
         functools.partial(run, f, f_nodes, f_outs, {}),
