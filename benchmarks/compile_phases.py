@@ -40,24 +40,13 @@ import subprocess
 import sys
 
 _CHILD = r"""
-import sys, time
+import json, sys
 sys.path.insert(0, {bench!r})
-import jax, jax.numpy as jnp, optax
+import optax
 import compile_time
-n, name = {n}, {name!r}
-init, step = compile_time._variants(optax.adamw(1e-4))[name]
-params = {{f"l{{i:05d}}": jnp.zeros((64,), jnp.float32) for i in range(n)}}
-state = init(params)
-with jax.numpy_dtype_promotion("standard"):
-  t0 = time.process_time()
-  traced = jax.jit(step, donate_argnums=(0, 1)).trace(params, state, params)
-  t1 = time.process_time()
-  lowered = traced.lower()
-  t2 = time.process_time()
-  compiled = lowered.compile()
-  t3 = time.process_time()
-temp = compiled.memory_analysis().temp_size_in_bytes
-print("RESULT", t1 - t0, t2 - t1, t3 - t2, temp)
+name = {name!r}
+make = lambda: {{name: compile_time._variants(optax.adamw(1e-4))[name]}}
+print("RESULT", json.dumps(compile_time._compile_times({n}, make)[name]))
 """
 
 VARIANTS = {
@@ -139,15 +128,12 @@ def measure(n_leaves: int, variant: str) -> dict:
   )
   if out.returncode:
     sys.exit(f"{variant} at {n_leaves} leaves failed:\n{out.stderr[-3000:]}")
-  result = next(x for x in out.stdout.splitlines() if x.startswith("RESULT"))
-  trace, lower, compile_, temp = (float(x) for x in result.split()[1:])
+  result = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
+  times = json.loads(result.removeprefix("RESULT "))
   return dict(
     variant=variant,
     leaves=n_leaves,
-    trace_s=trace,
-    lower_s=lower,
-    compile_s=compile_,
-    temp_bytes=int(temp),
+    **{k: times[k] for k in ("trace_s", "lower_s", "compile_s", "temp_bytes")},
     # The step function's name in compile_time._variants, as jax.jit names
     # its module.
     **parse_log(out.stderr, f"jit_{variant}"),

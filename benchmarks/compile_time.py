@@ -92,7 +92,7 @@ def _compile_times(n_leaves: int, make_variants) -> dict[str, dict[str, float]]:
       c1 = time.process_time()
       lowered = traced.lower()
       c2 = time.process_time()
-      lowered.compile()
+      compiled = lowered.compile()
       w3, c3 = time.perf_counter(), time.process_time()
     out[name] = dict(
       trace_s=c1 - c0,
@@ -100,6 +100,7 @@ def _compile_times(n_leaves: int, make_variants) -> dict[str, dict[str, float]]:
       compile_s=c3 - c2,
       total_s=c3 - c0,
       wall_s=w3 - w0,
+      temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
     )
     print(
       f"{n_leaves:5d} leaves  {name:40s} trace {c1 - c0:6.2f} s  lower"
