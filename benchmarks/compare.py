@@ -1,0 +1,224 @@
+"""The optimizer step at a base commit against the working tree, interleaved.
+
+Usage:
+  python benchmarks/compare.py --base c193e02 [--repeats 3] [--rounds 15]
+      [--cases float32:25e6,bfloat16:10e6] [--json PATH]
+  make bench-compare BASE=c193e02
+
+Each repetition runs one process per tree and case, base and working tree
+alternating (ABBA order), each timing its own bare `optax.adamw` step and
+lossscale's steps interleaved, round after round, on the same
+transformer-shaped tree (`_bench.transformer_shapes`, donated parameters and
+state): `apply_gradients` on finite and on overflowing gradients, and
+`tx.update` + `optax.apply_updates`. A process reports each step's median
+time as a ratio to its own bare step, so load that drifts between processes
+cancels. The base tree is `git archive`d from BASE (its `lossscale/` only);
+both trees are timed by this script.
+
+Prints the median ratio over the repetitions for each tree, side by side,
+and exits with status 1 when a row of the working tree is slower than the
+base beyond the run's own spread: its median ratio exceeds the base's by
+more than the larger half-range of the two trees' repetitions, and by more
+than 3%. Timings in tests are not allowed (the machines are shared): run
+this before every change to the compiled step and quote its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SCALE = 2.0**15
+STEPS = (
+  ("apply_gradients", "finite"),
+  ("apply_gradients", "overflow"),
+  ("tx.update + apply_updates", "finite"),
+)
+
+
+def child(dtype_name: str, n_params: float, rounds: int) -> None:
+  """Times the steps in this process; prints one JSON line of ratios."""
+  sys.path.insert(0, HERE)
+  import _bench
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import lossscale as ls
+
+  dtype = jnp.dtype(dtype_name)
+  shapes = _bench.transformer_shapes(n_params)
+  key = jax.random.key(0)
+  params = {
+    k: (0.02 * jax.random.normal(jax.random.fold_in(key, i), s)).astype(dtype)
+    for i, (k, s) in enumerate(shapes.items())
+  }
+  grads32 = {
+    k: 1e-3 * jax.random.normal(jax.random.fold_in(key, 10**6 + i), s)
+    for i, (k, s) in enumerate(shapes.items())
+  }
+  grads = jax.tree.map(lambda g: g.astype(dtype), grads32)
+  scaled = jax.tree.map(lambda g: (g * SCALE).astype(dtype), grads32)
+  overflow = dict(scaled)
+  k = next(k for k in overflow if k.endswith("mlp/in/kernel"))
+  overflow[k] = overflow[k].at[3, 5].set(jnp.inf)
+
+  adam = optax.adamw(1e-4)
+  tx = ls.dynamic_loss_scale(adam, initial_scale=SCALE)
+  # float16 parameters: the bare step with the float32 state lossscale gives.
+  bare_params = params
+  if dtype == jnp.float16:
+    bare_params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+
+  def bare(p, s, g):
+    updates, s = adam.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  def update(p, s, g):
+    updates, s = tx.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  def fused(p, s, g):
+    return ls.apply_gradients(tx, g, s, p)
+
+  variants = {
+    ("bare adamw", "finite"): (bare, adam.init, bare_params, grads),
+    ("apply_gradients", "finite"): (fused, tx.init, params, scaled),
+    ("apply_gradients", "overflow"): (fused, tx.init, params, overflow),
+    ("tx.update + apply_updates", "finite"): (update, tx.init, params, scaled),
+  }
+  runners = {}
+  for name, (step, init, p0, g) in variants.items():
+    box = [_bench.fresh_copy(p0), init(p0)]
+    with jax.numpy_dtype_promotion("standard"):  # optax's adam
+      compiled = jax.jit(step, donate_argnums=(0, 1)).lower(box[0], box[1], g).compile()
+
+    def run(box=box, compiled=compiled, g=g):
+      box[0], box[1] = compiled(box[0], box[1], g)
+      jax.block_until_ready(box[0])
+
+    run()
+    run()  # warm: the second call reuses the donated buffers
+    runners[name] = run
+  medians = _bench.interleaved_medians(runners, rounds)
+  base = medians[("bare adamw", "finite")]
+  print(
+    json.dumps(
+      {
+        "lossscale": os.path.dirname(os.path.abspath(ls.__file__)),
+        "jax": jax.__version__,
+        "bare_ms": base * 1e3,
+        "ratios": {f"{n} / {c}": t / base for (n, c), t in medians.items()},
+      }
+    )
+  )
+
+
+def _archive(ref: str, dest: str) -> None:
+  archive = subprocess.run(
+    ["git", "-C", ROOT, "archive", ref, "lossscale"],
+    check=True,
+    capture_output=True,
+  ).stdout
+  subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+
+
+def _run(tree: str, dtype: str, n: float, rounds: int) -> dict:
+  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+  cmd = [sys.executable, os.path.abspath(__file__), "--child", dtype, str(n), str(rounds)]
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+  if proc.returncode != 0:
+    sys.exit(f"the step failed in {tree} ({dtype}):\n{proc.stderr[-3000:]}")
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  if os.path.realpath(out["lossscale"]) != os.path.realpath(os.path.join(tree, "lossscale")):
+    sys.exit(f"imported lossscale from {out['lossscale']}, not from {tree}")
+  return out
+
+
+def _half_range(xs: list[float]) -> float:
+  return (max(xs) - min(xs)) / 2
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--base", required=True, help="a git ref (commit, tag, branch)")
+  ap.add_argument("--repeats", type=int, default=3, help="processes per tree and case")
+  ap.add_argument("--rounds", type=int, default=15, help="timed rounds per process")
+  ap.add_argument(
+    "--cases",
+    default="float32:25e6,bfloat16:10e6",
+    help="comma-separated dtype:parameters (float32, bfloat16, float16)",
+  )
+  ap.add_argument("--json", default=None, help="where to write the results")
+  args = ap.parse_args(argv)
+  if args.repeats < 1 or args.rounds < 1:
+    ap.error("--repeats and --rounds must be positive")
+  cases = []
+  for case in args.cases.split(","):
+    dtype, _, n = case.partition(":")
+    if dtype not in ("float32", "bfloat16", "float16") or not n:
+      ap.error(f"--cases: expected dtype:parameters such as float32:25e6, got {case!r}")
+    cases.append((dtype, float(n)))
+
+  with tempfile.TemporaryDirectory() as tmp:
+    _archive(args.base, tmp)
+    trees = {"base": tmp, "work": ROOT}
+    results: dict = {}
+    for dtype, n in cases:
+      runs: dict[str, list[dict]] = {"base": [], "work": []}
+      for r in range(args.repeats):
+        order = ("base", "work") if r % 2 == 0 else ("work", "base")
+        for which in order:
+          out = _run(trees[which], dtype, n, args.rounds)
+          runs[which].append(out)
+          print(
+            f"{dtype} {n:.0e} {which} #{r + 1}: bare {out['bare_ms']:.1f} ms, "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in out["ratios"].items() if v != 1),
+            flush=True,
+          )
+      results[f"{dtype}:{n:.0e}"] = runs
+
+  slower = []
+  print(f"\nmedian time / bare adamw over {args.repeats} processes each")
+  print(f"base = {args.base}, work = working tree\n")
+  print("| case | step | base | work | work / base |")
+  print("|---|---|---:|---:|---:|")
+  summary = []
+  for case, runs in results.items():
+    for name, kind in STEPS:
+      key = f"{name} / {kind}"
+      b = [r["ratios"][key] for r in runs["base"]]
+      w = [r["ratios"][key] for r in runs["work"]]
+      mb, mw = statistics.median(b), statistics.median(w)
+      allowed = max(_half_range(b), _half_range(w), 0.03 * mb)
+      flag = ""
+      if mw - mb > allowed:
+        flag = " SLOWER"
+        slower.append(f"{case} {key}")
+      print(
+        f"| {case} | {key} | {mb:.2f}x ({min(b):.2f}-{max(b):.2f}) |"
+        f" {mw:.2f}x ({min(w):.2f}-{max(w):.2f}) | {mw / mb:.2f}{flag} |"
+      )
+      summary.append(dict(case=case, step=key, base=b, work=w))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(base=args.base, results=results, summary=summary), f, indent=1)
+  if slower:
+    print("\nslower than the base beyond the run's spread: " + "; ".join(slower))
+    return 1
+  print("\nno row slower than the base beyond the run's spread")
+  return 0
+
+
+if __name__ == "__main__":
+  if len(sys.argv) == 5 and sys.argv[1] == "--child":
+    child(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
+  else:
+    sys.exit(main())
