@@ -70,7 +70,15 @@ def all_finite(tree: Any) -> jax.Array:
 
 def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
   """`all_finite(tree * factor)`, each leaf multiplied in the wider of
-  float32 and its dtype, without writing the products (`factor` None: 1)."""
+  float32 and its dtype, without writing the products (`factor` None: 1).
+
+  A factor of at most 1 cannot turn a finite element into an infinite one
+  (rounding is monotone), so then the leaves are checked as they are; only
+  a factor above 1 (a loss scale below 1) is multiplied in. The choice is a
+  `lax.cond` on the factor: a reduction with a scalar operand costs XLA:CPU
+  a broadcast of it per leaf shape (docs/performance.md, "The finite
+  check").
+  """
   leaves = jax.tree_util.tree_leaves(numbers_as_arrays(tree))
   leaves = [x for x in leaves if is_inexact(x)]
   if not leaves:
@@ -81,12 +89,19 @@ def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
     return jnp.all(
       jnp.stack([jnp.all(jnp.isfinite(_times(x, factor))) for x in leaves])
     )
-  # A float sum of `x - x` (or, with a factor, of `x * factor * 0`) is 0
-  # when every element is finite and NaN otherwise: a reduction with no
-  # temporaries, where `all(isfinite(x))` first writes a bool array per
-  # leaf (docs/performance.md; on XLA:CPU see `cpu_reductions`). One flag
-  # per group, joined in a chain of scalar ands, cheaper to compile than
-  # stacking a thousand flags.
+  if factor is None:
+    return _all_flags(leaves, None)
+  return jax.lax.cond(
+    factor <= 1, lambda: _all_flags(leaves, None), lambda: _all_flags(leaves, factor)
+  )
+
+
+def _all_flags(leaves: list[jax.Array], factor: Any) -> jax.Array:
+  # A float sum of `x - x` (or, with a factor, of `t - t` for `t = x *
+  # factor`) is 0 when every element is finite and NaN otherwise: a
+  # reduction with no temporaries, where `all(isfinite(x))` first writes a
+  # bool array per leaf. One flag per group, joined in a chain of scalar
+  # ands, cheaper to compile than stacking a thousand flags.
   return functools.reduce(operator.and_, _flags(leaves, factor))
 
 
@@ -108,65 +123,26 @@ def _flags(leaves: list[jax.Array], factor: Any) -> list[jax.Array]:
   return flags
 
 
+@functools.partial(jax.jit, inline=True)
 def _finite_flag(factor: Any, *leaves: jax.Array) -> jax.Array:
-  return _finite_flag_for(cpu_reductions(), factor, *leaves)
-
-
-@functools.partial(jax.jit, static_argnums=0, inline=True)
-def _finite_flag_for(cpu: bool, factor: Any, *leaves: jax.Array) -> jax.Array:
   # Jitted: traced once per group signature, not once per leaf, and one
   # call in the step's jaxpr per group.
-  dtype = compute_dtype(leaves[0].dtype)
-  xs = [x.astype(dtype) for x in leaves]
-  if factor is not None and not cpu:
-    # One sum, with the factor: one scalar all-reduce under SPMD sharding.
+  xs = list(leaves)
+  if factor is not None:
+    # In float32 or wider, where the unscaled gradients are computed.
     # `t - t`, not `t * 0`: with a constant factor XLA reassociates
     # `(x * factor) * 0` into `x * 0`, and an overflow is lost.
-    ts = [x * factor.astype(dtype) for x in xs]
-    return _is_zero([t - t for t in ts])
-  if factor is None:
-    return _is_zero([x - x for x in xs])
-  # XLA:CPU: one pass that takes no scalar operand (see `cpu_reductions`).
-  # `max` alone is no check: XLA:CPU's vectorized `max` drops NaN.
-  zeros = _real(functools.reduce(operator.add, [x - x for x in xs]))
-  largest = functools.reduce(jnp.maximum, [_magnitude(x) for x in xs])
-  zero, largest = jax.lax.reduce(
-    (zeros, largest),
-    (jnp.zeros([], zeros.dtype), jnp.zeros([], largest.dtype)),
-    lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
-    tuple(range(zeros.ndim)),
-  )
-  return jnp.isfinite(zero) & jnp.isfinite(largest * factor.astype(largest.dtype))
-
-
-def cpu_reductions() -> bool:
-  """Whether the finite check is formulated for XLA:CPU's reductions.
-
-  XLA:CPU hands a large reduction to a YNNPACK kernel, which takes every
-  operand full size: the scalars of `sum(x * factor * 0)` were written out
-  as leaf-sized arrays and read again by every leaf's reduction (a third
-  of the bytes of a bfloat16 step). On CPU the check therefore reduces
-  `x - x` and `abs(x)` in one variadic reduction, which has no scalar
-  operand; under SPMD sharding XLA gathers its two partial results instead
-  of one all-reduce. Elsewhere (GPU, TPU) the scalars fuse into the
-  reduction, and the check is the one sum.
-  """
-  return jax.default_backend() == "cpu"
-
-
-def _is_zero(zeros: list[jax.Array]) -> jax.Array:
-  # Elementwise 0 or NaN: added up, reduced once, checked.
-  return jnp.isfinite(jnp.sum(_real(functools.reduce(operator.add, zeros))))
+    dtype = compute_dtype(xs[0].dtype)
+    xs = [x.astype(dtype) * factor.astype(dtype) for x in xs]
+  # Without a factor, half-precision leaves are checked in their own dtype:
+  # a conversion in both branches of the check's conditional would be
+  # hoisted out of it by XLA, and written out as a float32 copy.
+  zeros = functools.reduce(operator.add, [x - x for x in xs])
+  return jnp.isfinite(jnp.sum(_real(zeros)))
 
 
 def _real(x: jax.Array) -> jax.Array:
   return jnp.real(x) + jnp.imag(x) if jnp.iscomplexobj(x) else x  # NaN in either
-
-
-def _magnitude(x: jax.Array) -> jax.Array:
-  if jnp.iscomplexobj(x):  # |x| itself can overflow for finite parts
-    return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x)))
-  return jnp.abs(x)
 
 
 def _times(x: jax.Array, factor: Any) -> jax.Array:

@@ -198,6 +198,41 @@ def collectives(hlo_text):
   return found
 
 
+def collectives_per_run(hlo_text):
+  """`collectives(hlo_text)` of one run of the program: of each conditional,
+  only its costliest branch is counted (one branch runs), and so once.
+
+  Branches are named in `branch_computations={...}` (or true/false
+  computations); a collective inside a branch is counted through it.
+  """
+  computations = {}
+  name = None
+  for line in hlo_text.splitlines():
+    if line and not line.startswith(" ") and "{" in line:
+      name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+      computations[name] = []
+    elif name is not None:
+      computations[name].append(line)
+  branch_sets = []
+  for lines in computations.values():
+    for line in lines:
+      m = re.search(r"branch_computations=\{([^}]*)\}", line)
+      if m:
+        branch_sets.append([b.strip().lstrip("%") for b in m.group(1).split(",")])
+      m = re.search(r"true_computation=%?([\w.-]+), false_computation=%?([\w.-]+)", line)
+      if m:
+        branch_sets.append([m.group(1), m.group(2)])
+  in_branch = {b for branches in branch_sets for b in branches}
+  found = collections.Counter()
+  for comp, lines in computations.items():
+    if comp not in in_branch:
+      found += collectives("\n".join(lines))
+  for branches in branch_sets:
+    per_branch = [collectives("\n".join(computations.get(b, []))) for b in branches]
+    found += max(per_branch, key=lambda c: sum(c.values()))
+  return found
+
+
 def elements(shape):
   """How many elements an HLO shape string holds (`"f32[8,1]"`: 8)."""
   dims = re.findall(r"\d+", shape.split("[", 1)[1])
