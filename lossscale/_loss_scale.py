@@ -302,6 +302,11 @@ def _like(new: Any, old: Any) -> Any:
   return jax.tree.map(leaf, new, old)
 
 
+def _same_structure(a: Any, b: Any) -> bool:
+  a_def: Any = jax.tree.structure(a)  # Any: see `_like`
+  return a is not None and a_def == jax.tree.structure(b)
+
+
 def read_after(old: Any, after: Any) -> tuple[Any, bool]:
   """`old`, its half-precision leaves read only after `after` is computed.
 
@@ -556,6 +561,12 @@ def _wrap(
     new_updates, new_state = inner.update(
       unscaled(updates), widened_state, inner_params, **extra
     )
+    if widened:
+      # The updates in the dtypes bare `inner` gives for these parameters
+      # (theirs; without params, the gradients'), so that any
+      # `apply_updates`, `p + u` included, keeps the parameters' dtypes.
+      like = params if _same_structure(params, new_updates) else updates
+      new_updates = _like(new_updates, like)
     return new_updates, _like(new_state, inner_state)
 
   # Traced once per step however often a step asks for it (lossscale/_once.py):

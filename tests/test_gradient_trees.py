@@ -241,11 +241,13 @@ def test_low_precision_gradients_unscale_in_float32(dtype):
   params = {"w": jnp.ones(3, dtype)}
   tx = _sgd_tx(initial_scale=2.0**10)
   state = tx.init(params)
-  # 3 * 2**10 is exact in every dtype; the updates come out in float32.
+  # 3 * 2**10 is exact in every dtype; the updates are computed in float32
+  # and come out in the parameters' dtype, as bare sgd gives them.
   grads = {"w": jnp.array([3.0, -1.0, 0.5], dtype) * 2.0**10}
   updates, state = jax.jit(tx.update)(grads, state, params)
-  assert updates["w"].dtype == jnp.float32
-  np.testing.assert_array_equal(updates["w"], -_SGD_LR * np.array([3.0, -1.0, 0.5]))
+  assert updates["w"].dtype == dtype
+  in_float32 = np.float32(-_SGD_LR) * np.array([3.0, -1.0, 0.5], np.float32)
+  np.testing.assert_array_equal(updates["w"], jnp.asarray(in_float32).astype(dtype))
   # 2**17 overflows float16 (max 65504) to inf, not bfloat16 or float32.
   big = {"w": jnp.array([2.0**17, 1.0, 1.0], jnp.float32).astype(dtype)}
   overflowed = dtype == jnp.float16
@@ -257,11 +259,20 @@ def test_low_precision_gradients_unscale_in_float32(dtype):
 def test_float16_gradients_are_unscaled_in_float32():
   # 60000 * 2**-15 needs float32: in float16 the product of the gradient and
   # 1/scale would round; the update must equal the float32 computation.
+  # The updates come out in the parameters' dtype: float32 parameters get
+  # the float32 computation exactly ...
   tx = ls.static_loss_scale(optax.identity(), 2.0**15)
   g = jnp.array([60000.0, 3.0, 2.0**-10], jnp.float16)
-  u, _ = jax.jit(tx.update)(g, tx.init(g))
+  in_float32 = g.astype(jnp.float32) / np.float32(2**15)
+  params = jnp.zeros(3, jnp.float32)
+  u, _ = jax.jit(tx.update)(g, tx.init(params), params)
   assert u.dtype == jnp.float32
-  np.testing.assert_array_equal(u, g.astype(jnp.float32) / np.float32(2**15))
+  np.testing.assert_array_equal(u, in_float32)
+  # ... and without parameters, the gradients' dtype: that computation,
+  # rounded once.
+  u, _ = jax.jit(tx.update)(g, tx.init(g))
+  assert u.dtype == jnp.float16
+  np.testing.assert_array_equal(u, in_float32.astype(jnp.float16))
 
 
 def test_unscaled_overflow_is_detected_for_scales_below_one():

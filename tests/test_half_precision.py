@@ -7,6 +7,7 @@ with, on finite and skipped steps alike, through `tx.update` and
 float32 for float16 parameters (float16 moments underflow).
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,11 +154,26 @@ def test_update_keeps_dtypes_and_matches_bare_optimizer(name, dtype):
   assert _dtypes(skip_updates) == _dtypes(updates)
   for z in jax.tree.leaves(skip_updates):
     assert not np.asarray(z, np.float64).any()
-  # A finite step: the bare optimizer fed the true gradients; its state
-  # stored in the dtypes `inner.init(params)` chose.
-  # (float32 on both sides; XLA may fuse the two programs differently.)
-  _assert_close(updates, bare_updates, jnp.float32, ulps=64)
+  # A finite step: the bare optimizer fed the true gradients, its updates in
+  # the parameters' dtype (as bare `inner` gives them for these parameters)
+  # and its state stored in the dtypes `inner.init(params)` chose.
+  # (float32 on both sides, then rounded; XLA may fuse the two programs
+  # differently.)
+  assert _dtypes(updates) == _dtypes(params)
+  if dtype == jnp.float32:
+    _assert_close(updates, bare_updates, jnp.float32, ulps=64)
+  else:
+    _assert_close(updates, _as(bare_updates, params), dtype)
   _assert_close(finite_state.inner_state, _as(bare_state, state.inner_state), dtype)
+  # So any way of adding them keeps the parameters' dtypes: optax's (which
+  # casts back), Equinox's and a plain `p + u` (which do not).
+  for apply in (optax.apply_updates, eqx.apply_updates, _plain_add):
+    assert _dtypes(apply(params, updates)) == _dtypes(params), apply
+    assert _dtypes(apply(params, skip_updates)) == _dtypes(params), apply
+
+
+def _plain_add(params, updates):
+  return jax.tree.map(jnp.add, params, updates)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -292,10 +308,13 @@ def test_float16_params_with_small_gradients_follow_the_float32_run(wrapper, nam
     got = wrapped_run(tx.init(params16))
     want = bare_run(inner.init(params32))
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    assert x.dtype == jnp.float32
+    assert x.dtype == jnp.float16  # the parameters' dtype, as bare `inner` gives
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    # Over the whole run, each update within 1e-3 of the largest one.
-    np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-3 * np.abs(y).max())
+    # Over the whole run, each update within 1e-3 of the largest one, or
+    # within its own rounding to float16: 2**-11 of it, or half the smallest
+    # subnormal (2**-25) for the tiny updates of dadapt, prodigy, mechanize.
+    atol = max(1e-3 * np.abs(y).max(), 2.0**-25)
+    np.testing.assert_allclose(x, y, rtol=1e-3, atol=atol)
 
 
 # What the compiled step moves and holds (XLA's cost and memory analyses; no
@@ -340,21 +359,34 @@ def test_half_precision_steps_move_and_hold_little_more_than_the_bare_step(dtype
     costs["composed"],
     costs["fused"],
   )
-  f32_updates = 2 * p_bytes  # one float32 updates array
-  # The fused step: at most 1.35x the bare step's bytes (it also reads the
-  # gradients once, for the check) ...
-  assert fused <= 1.35 * bare
-  # ... and no parameter-sized temporary: its bfloat16 moments are written
-  # in place, after the new parameters (XLA before jaxlib 0.9.1 copies
-  # the moments of the bare step too, and the same for ours).
+  f32_grads = 2 * p_bytes  # the gradients (or updates) in float32
+  # XLA's cost model charges both branches of the finite check's conditional
+  # (the gradients as they are, and times the unscale factor when it is
+  # above 1), one runs: at most 1.5x the bare step's bytes for the fused
+  # step, 2x for `tx.update` + `apply_updates`.
+  assert fused <= 1.5 * bare
+  assert composed <= 2 * bare
+  if dtype == jnp.float16:
+    # XLA:CPU computes float16 arithmetic in float32, and its reductions take
+    # that operand written out: the check holds the gradients in float32
+    # (measured faster in wall time than the formulations that do not,
+    # docs/performance.md), and nothing else is parameter-sized.
+    # (And the unscale factor broadcast to each leaf shape, as below.)
+    assert fused_temp <= f32_grads + p_bytes / 4 + 4096
+    assert composed_temp <= f32_grads + p_bytes / 4 + 4096
+    return
+  # bfloat16: no parameter-sized temporary in the fused step (its moments
+  # written in place after the new parameters; XLA before jaxlib 0.9.1
+  # copies the moments of the bare step too, and the same for ours), only
+  # the unscale factor broadcast to each leaf shape, in float32, by the
+  # check's branch that multiplies it in.
   if _compat.ORDER_FUSED_WRITES:
-    assert fused_temp < p_bytes / 8
+    assert fused_temp <= p_bytes / 4 + 4096
   else:
     assert fused_temp <= bare_temp + 2 * p_bytes
-  # `tx.update` + `apply_updates`: the float32 updates array it hands out,
-  # and nothing else parameter-sized; at most 2x the bare step's bytes.
-  assert composed <= 2 * bare
-  assert composed_temp < f32_updates + p_bytes / 8
+  # `tx.update` + `apply_updates`: the updates array it hands out, in the
+  # parameters' dtype, and nothing else parameter-sized.
+  assert composed_temp < p_bytes + p_bytes / 8
 
 
 def test_read_after_keeps_every_value_bit_for_bit():
