@@ -91,6 +91,8 @@ def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
     )
   if factor is None:
     return _all_flags(leaves, None)
+  if not isinstance(factor, jax.core.Tracer):  # eager: decided here
+    return _all_flags(leaves, None if factor <= 1 else factor)
   return jax.lax.cond(
     factor <= 1, lambda: _all_flags(leaves, None), lambda: _all_flags(leaves, factor)
   )

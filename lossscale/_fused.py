@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import optax
 
-from lossscale import _axes, _compat, _once
+from lossscale import _axes, _compat
 from lossscale._loss_scale import (
   DECISION,
   Decision,
@@ -194,11 +194,15 @@ def apply_gradients(
       "`apply_gradients(tx=...)` must be an optax.GradientTransformation,"
       f" got {type(tx).__name__} instead."
     )
-  return _step(tx, grads, opt_state, params, **extra_args)
+  return _apply_gradients(tx, grads, opt_state, params, **extra_args)
 
 
 def _apply_gradients(tx, grads, opt_state, params, **extra_args):
   decision = _decide(tx, grads, opt_state, params, extra_args)
+
+  # Called outside any trace, the step is decided here, in Python, and runs
+  # op by op, as the bare optimizer runs eagerly.
+  eager = not isinstance(decision.finite, jax.core.Tracer)
 
   def applied():
     update = lambda state: tx.update(
@@ -213,7 +217,7 @@ def _apply_gradients(tx, grads, opt_state, params, **extra_args):
     # after the new parameters, in place (`read_after`).
     # `is True`: a `tx.update` under its own `jax.jit` hands the flag back
     # as an array; then the state is written as it is (copied).
-    if decision.in_order is True and _compat.ORDER_FUSED_WRITES:
+    if decision.in_order is True and _compat.ORDER_FUSED_WRITES and not eager:
       old, ordered = read_after(opt_state, new_params)
       if ordered:
         _, new_state = update(old)
@@ -227,11 +231,8 @@ def _apply_gradients(tx, grads, opt_state, params, **extra_args):
     )
     return params, new_state
 
+  if eager:
+    return applied() if bool(decision.finite) else skipped()
   return _axes.cond(
     decision.finite, applied, skipped, operands=(grads, opt_state, params)
   )
-
-
-# Called eagerly, the step compiles once per `tx` and argument types
-# (lossscale/_once.py); `tx`'s functions are static, compared by identity.
-_step = _once.compiled_when_eager(_apply_gradients)

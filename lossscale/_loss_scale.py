@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lossscale import _axes, _compat, _once, _validation
@@ -392,11 +393,37 @@ def _gradients_tree_in(params: Any, grads: Any) -> Any:
 
 
 def _structure_mismatch(fn: str, grads: Any, params: Any) -> str:
+  number = _python_number_without_gradient(grads, params)
+  if number is not None:
+    where, value = number
+    return (
+      f"`{fn}`: the parameter at {where} is a Python {type(value).__name__}"
+      f" ({value!r}) and its gradient is None: `lossscale.value_and_grad`"
+      " differentiates array leaves only (as `equinox.filter_value_and_grad`"
+      " does), while under `jax.jit` a Python number arrives as an array and"
+      f" is differentiated. Hold it as an array (`jnp.asarray({value!r})`) to"
+      " train it, or leave it out of the params given to the optimizer"
+      " (`eqx.filter(params, eqx.is_inexact_array)`) to keep it fixed."
+    )
   return (
     f"`{fn}`: the gradient tree does not match the params tree the"
     f" optimizer state was built for.\n  gradients: {jax.tree.structure(grads)}"
     f"\n  params:    {jax.tree.structure(params)}"
   )
+
+
+def _python_number_without_gradient(grads: Any, params: Any) -> tuple[str, Any] | None:
+  """`(where, value)` of the first Python-number parameter whose gradient is
+  None (what `value_and_grad` gives it outside `jax.jit`), or None."""
+  is_none = lambda x: x is None
+  g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=is_none)
+  p_leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+  if g_def != jax.tree.structure(params) or len(g_leaves) != len(p_leaves):
+    return None
+  for g, (path, p) in zip(g_leaves, p_leaves, strict=True):
+    if g is None and isinstance(p, (int, float, complex)) and not isinstance(p, bool):
+      return jax.tree_util.keystr(path) or "the root", p
+  return None
 
 
 def _shape_pairs(grads: Any, params: Any) -> Iterator[tuple[str, Any, Any]]:
@@ -496,6 +523,11 @@ def _zeros(shapes: Any) -> Any:
   return jax.tree.map(lambda s: jax.lax.full(s.shape, 0, s.dtype), shapes)
 
 
+def _host_zeros(s: Any) -> Any:
+  zeros = np.zeros(s.shape, s.dtype)
+  return zeros if s.dtype == jax.dtypes.float0 else jax.device_put(zeros)
+
+
 def _is_half(x: Any) -> bool:
   return is_inexact(x) and compute_dtype(x.dtype) != x.dtype
 
@@ -540,13 +572,16 @@ def _wrap(
         # multiply by a traced 1 changed XLA's fusion, and the last bits).
         if not isinstance(scaling, jax.core.Tracer):  # eager: decided here
           if scaling == 1:
-            return tree
-          return _unscale(tree, _unscale_factors(scaling), keep_dtype=True)
-        return jax.lax.cond(
+            return _widen(tree) if widened else tree
+          tree = _unscale(tree, _unscale_factors(scaling), keep_dtype=True)
+          return _widen(tree) if widened else tree
+        tree = jax.lax.cond(
           scaling == 1,
           lambda: tree,
           lambda: _unscale(tree, _unscale_factors(scaling), keep_dtype=True),
         )
+        # float16 parameters: `inner` runs in float32 on its float32 state.
+        return _widen(tree) if widened else tree
       # A select, not a multiply: where both branches run (`jax.vmap` with a
       # per-member flag) the inner optimizer sees zeros, never inf or NaN.
       return _unscale(tree, scaling, zero_unless=finite)
@@ -571,14 +606,15 @@ def _wrap(
 
   # Traced once per step however often a step asks for it (lossscale/_once.py):
   # for the output shapes, in a conditional, for the state in a second call.
-  # `enabled=False` calls `inner` as it is, to be exactly it, eagerly too.
-  if rule.enabled:
-    run_apply = _once.once(run_apply)
+  # `enabled=False` calls `inner` as it is, to be exactly it; outside any
+  # trace, `inner` runs op by op, as it does bare.
+  run_traced = _once.once(run_apply) if rule.enabled else run_apply
 
   def init_fn(params):
-    # float16 optimizer state underflows (Adam's second moment is 0 for any
-    # |g| < 7.7e-3): float16 parameters get float32 state.
-    inner_state = inner.init(_widen_float16(params) if rule.enabled else params)
+    # float16 optimizer state underflows (docs/how-it-works.md): float16
+    # parameters get float32 state, with `enabled=False` too, so that a
+    # checkpoint moves between the two with nothing lost.
+    inner_state = inner.init(_widen_float16(params))
     if states_in(inner_state):
       raise ValueError(
         f"`{fn}(inner=...)` already holds a loss-scaling wrapper: two"
@@ -600,6 +636,15 @@ def _wrap(
   def update_fn(updates, state, params=None, **extra_args):
     given = extra_args.pop(DECISION, _ORDINARY)
     _check_state(fn, state)
+    # Called outside any trace, the step is decided in Python and `inner`
+    # runs op by op, exactly as the bare optimizer runs eagerly (Python
+    # state it reads, such as a learning rate changed between steps, is
+    # read on every step; nothing is compiled after the first step).
+    eager = not any(
+      isinstance(x, jax.core.Tracer)
+      for x in jax.tree_util.tree_leaves((updates, state, params, extra_args, given))
+    )
+    run = run_apply if eager else run_traced
     if isinstance(given, Decision):
       updates = given.incoming
     # Python float leaves: arrays, as `jax.jit` would make them, so that a
@@ -618,17 +663,23 @@ def _wrap(
     # then runs in float32 throughout (its state and the params widened too:
     # some optax optimizers cannot mix dtypes), and its state is stored back
     # in the dtypes it had. `enabled=False` hands `inner` the gradients' own
-    # dtypes: it is exactly `inner`.
-    widened = rule.enabled and any(
-      _is_half(x) for x in jax.tree_util.tree_leaves((updates, params))
-    )
+    # dtypes, exactly `inner`, except for float16 parameters, whose state is
+    # float32 either way.
+    if rule.enabled:
+      widened = any(_is_half(x) for x in jax.tree_util.tree_leaves((updates, params)))
+    else:
+      widened = any(
+        is_inexact(x) and x.dtype == jnp.float16
+        for x in jax.tree_util.tree_leaves(params)
+      )
 
-    scaling = _unscale_factors(scale) if rule.enabled else scale
+    if rule.enabled:
+      scaling = _unscale_factors(scale)
+    else:  # decided in Python when eager, even where `inner` is traced
+      scaling = float(scale) if eager else scale
 
     def apply(inner_state=state.inner_state):
-      return run_apply(
-        updates, scaling, finite, inner_state, params, extra_args, widened
-      )
+      return run(updates, scaling, finite, inner_state, params, extra_args, widened)
 
     if rule.enabled and params is not None:
       _check_gradients(fn, updates, params, state.inner_state, apply)
@@ -646,7 +697,14 @@ def _wrap(
       )
       out, in_order = shapes()
       return _zeros(out[0]), Decision(finite, skipped, updates, in_order)
-    if given is _ORDINARY and rule.enabled:
+    if given is _ORDINARY and rule.enabled and eager:
+      if bool(finite):
+        new_updates, inner_state = apply()
+      else:
+        # Zeros made on the host: nothing to compile on the first skip.
+        zeros = jax.tree.map(_host_zeros, jax.eval_shape(apply)[0])
+        new_updates, inner_state = zeros, state.inner_state
+    elif given is _ORDINARY and rule.enabled:
       # `lax.cond`: a skipped step runs no optimizer, a finite one updates
       # the inner state in place (docs/performance.md has the measurements).
       out, in_order = shapes()
@@ -677,12 +735,6 @@ def _wrap(
       **_next_counters(rule, state, finite), inner_state=inner_state
     )
 
-  # Called eagerly, a step compiles once per argument types (lossscale/_once.py);
-  # `enabled=False` runs `inner` op by op, as the bare optimizer runs.
-  if rule.enabled:
-    return optax.GradientTransformationExtraArgs(
-      init_fn, _once.compiled_when_eager(update_fn)
-    )
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
@@ -726,11 +778,14 @@ def dynamic_loss_scale(
   keeps the dtypes it started with, with no retrace: bfloat16 parameters
   keep the bfloat16 state `inner.init(params)` gives, float16 parameters get
   a float32 state (float16 moments underflow: Adam's second moment is 0 for
-  any |g| < 7.7e-3). The updates come out as `inner` computes them, in
-  float32. Gradient-valued extra arguments (`grad=`, as `optax.lbfgs`'s line
-  search takes) are unscaled like the gradients. Called outside `jax.jit`,
-  `update` runs compiled, once per argument types, with `jax.jit`'s
-  semantics ([Performance][how-cost-grows]). With `axis_name`
+  any |g| < 5.458e-3), with `enabled=False` too. The updates come out in the
+  parameters' dtype, as bare `inner` gives them (computed in float32, then
+  rounded), so any `apply_updates` keeps the parameters' dtype.
+  Gradient-valued extra arguments (`grad=`, as `optax.lbfgs`'s line search
+  takes) are unscaled like the gradients. Called outside `jax.jit`, the step
+  is decided in Python and `inner` runs op by op, as it does bare: Python
+  state it reads (a learning rate changed between steps) is read on every
+  step. With `axis_name`
   the finite flag is reduced over that mapped axis, so all replicas skip
   together; without it they still agree when the gradients were averaged
   first ([`lossscale.cross_shard_mean`][]; see [Data-parallel
@@ -751,8 +806,9 @@ def dynamic_loss_scale(
     reset_hysteresis_on_backoff: refill `h` after each back-off too, so the
       scale backs off on every `hysteresis`-th overflow since it last changed.
     enabled: `False` gives exactly `inner` (no scaling, no skipping) with the
-      same state structure and a loss scale of 1 (a restored state's scale
-      is divided out of its first step, then set to 1).
+      same state structure and dtypes and a loss scale of 1 (a restored
+      state's scale is divided out of its first step, then set to 1); float16
+      parameters keep their float32 state, on which `inner` runs.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a
@@ -841,7 +897,7 @@ def static_loss_scale(
     loss_scale: the fixed scale, a normal float32 (`>= 2**-126`).
     axis_name: axis name(s) over which the finite flag is reduced.
     enabled: `False` gives exactly `inner` (no scaling, no skipping) with the
-      same state structure and a loss scale of 1.
+      same state structure and dtypes and a loss scale of 1.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a

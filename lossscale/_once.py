@@ -8,8 +8,9 @@ writes bfloat16 state last). Tracing an optimizer costs milliseconds per paramet
 leaf, so tracing it once matters for models with thousands of leaves.
 `once(fn)` routes every call through one `jax.jit` of `fn`: JAX caches the
 trace by the arguments' types, so later calls with the same types (under
-`eval_shape`, inside `lax.cond`, in another pass, in the next eager step)
-reuse it, and a call outside any trace runs compiled code.
+`eval_shape`, inside `lax.cond`, in another pass) reuse it. Outside any
+trace the wrapper does not use it: there `inner` runs op by op, as it does
+bare.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import jax
 
-from lossscale._finite import is_array, numbers_as_arrays
+from lossscale._finite import is_array
 
 # How many static parts (tree structures, non-array values such as a `tx`
 # or a `value_fn`) keep their compiled step.
@@ -91,25 +92,3 @@ def once(fn: Callable[..., Any]) -> Callable[..., Any]:
     return compiled([x for x, a in zip(leaves, arrays_at, strict=True) if a])
 
   return traced_once
-
-
-def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-  """`fn`, compiled once per argument types when called outside any trace.
-
-  Called eagerly (no argument is a tracer), a step built op by op would
-  also build its `lax.cond` from fresh closures, which JAX compiles anew on
-  every call; through `once` it is traced and compiled on the first call of
-  each argument types only. Inside a trace (`jax.jit`, `jax.vmap`, ...)
-  `fn` runs as it is.
-  """
-  compiled = once(lambda args, kwargs: fn(*args, **kwargs))
-
-  def maybe_compiled(*args: Any, **kwargs: Any) -> Any:
-    leaves = jax.tree_util.tree_leaves((args, kwargs))
-    if any(isinstance(x, jax.core.Tracer) for x in leaves):
-      return fn(*args, **kwargs)
-    # Python floats as arrays, as `jax.jit` passes them: not one compilation
-    # per value.
-    return compiled(*numbers_as_arrays((args, kwargs)))
-
-  return maybe_compiled

@@ -198,6 +198,9 @@ def collectives(hlo_text):
   return found
 
 
+_TRUE_FALSE = r"true_computation=%?([\w.-]+), false_computation=%?([\w.-]+)"
+
+
 def collectives_per_run(hlo_text):
   """`collectives(hlo_text)` of one run of the program: of each conditional,
   only its costliest branch is counted (one branch runs), and so once.
@@ -219,7 +222,9 @@ def collectives_per_run(hlo_text):
       m = re.search(r"branch_computations=\{([^}]*)\}", line)
       if m:
         branch_sets.append([b.strip().lstrip("%") for b in m.group(1).split(",")])
-      m = re.search(r"true_computation=%?([\w.-]+), false_computation=%?([\w.-]+)", line)
+      m = re.search(
+        r"true_computation=%?([\w.-]+), false_computation=%?([\w.-]+)", line
+      )
       if m:
         branch_sets.append([m.group(1), m.group(2)])
   in_branch = {b for branches in branch_sets for b in branches}

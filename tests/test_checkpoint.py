@@ -353,3 +353,43 @@ def test_set_loss_scale_on_train_states_and_ensembles():
     ls.set_loss_scale(optax.sgd(0.1).init(jnp.zeros(2)), 2.0)
   with pytest.raises(ValueError, match=r"concrete number.*traced"):
     jax.jit(ls.set_loss_scale)(states, 2.0**10)
+
+
+def test_float16_checkpoints_move_between_enabled_and_disabled_with_nothing_lost(
+  tmp_path,
+):
+  # float16 parameters get a float32 optimizer state, with `enabled=False`
+  # too: a second moment of 1e-12 (0 in float16) survives a checkpoint saved
+  # by one configuration and restored into the other's state structure.
+  params = {"w": jnp.full((2, 3), 0.5, jnp.float16)}
+  adam = optax.adam(1e-3)
+  on = ls.dynamic_loss_scale(adam, initial_scale=2.0**10)
+  off = ls.dynamic_loss_scale(adam, enabled=False)
+  dtypes = lambda t: jax.tree.map(lambda x: jnp.asarray(x).dtype, t)
+  assert dtypes(on.init(params)) == dtypes(off.init(params))
+  assert jnp.float32 in jax.tree.leaves(dtypes(off.init(params).inner_state))
+  with standard_promotion():
+    small = {"w": jnp.full((2, 3), 1e-6 * 2.0**10, jnp.float16)}  # g = 1e-6
+    _, state = jax.jit(on.update)(small, on.init(params), params)
+    nu = tree_get(state, "nu")["w"]
+    assert nu.dtype == jnp.float32 and float(nu[0, 0]) > 0
+    for source, target in ((on, off), (off, on)):
+      path = tmp_path / f"{id(source)}"
+      with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, state)
+      with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(path, jax.eval_shape(target.init, params))
+      assert_trees_equal(tree_get(restored, "nu"), tree_get(state, "nu"))
+      # And the restored state steps as the bare optimizer with float32
+      # state does, its updates in the parameters' dtype.
+      g = {"w": jnp.full((2, 3), 3e-3, jnp.float16)}
+      scale = ls.get_loss_scale(restored)
+      scaled = jax.tree.map(
+        lambda x, s=scale: (x.astype(jnp.float32) * s).astype(x.dtype), g
+      )
+      u, _ = jax.jit(target.update)(scaled, restored, params)
+      p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+      g32 = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+      want, _ = adam.update(g32, restored.inner_state, p32)
+      assert u["w"].dtype == jnp.float16
+      np.testing.assert_allclose(u["w"], want["w"].astype(jnp.float16), rtol=2.0**-10)

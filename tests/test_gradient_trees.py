@@ -361,6 +361,26 @@ def test_python_float_leaves_are_unscaled_eagerly_as_under_jit():
     np.testing.assert_array_equal(new_params["b"], 0.0)
 
 
+def test_a_python_float_parameter_outside_jit_gets_an_error_that_names_it():
+  # Under `jax.jit` a Python float parameter arrives as an array and is
+  # differentiated; eagerly `value_and_grad` gives it None (array leaves only,
+  # as equinox.filter_value_and_grad does): the step says so, naming it.
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=4.0)
+  params = {"w": jnp.ones(2), "s": 2.0}
+  state = tx.init(params)
+
+  def step(params, state):
+    _, g = ls.value_and_grad(lambda p: jnp.sum(p["w"] * p["s"]))(state, params)
+    return tx.update(g, state, params)
+
+  updates, _ = jax.jit(step)(params, state)
+  np.testing.assert_allclose(updates["s"], -0.2)
+  with pytest.raises(ValueError, match=r"at \['s'\] is a Python float \(2.0\).*jnp"):
+    step(params, state)
+  with pytest.raises(ValueError, match=r"at \['s'\] is a Python float"):
+    ls.apply_gradients(tx, {"w": jnp.ones(2), "s": None}, state, params)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_lookahead_with_one_leaf_refuses_a_broadcasting_gradient(jit):
   params = optax.LookaheadParams({"w": jnp.arange(3.0)}, {"w": jnp.arange(3.0)})

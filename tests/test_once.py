@@ -77,25 +77,37 @@ def test_eager_apply_gradients_compiles_only_on_its_first_call():
 
 
 def test_eager_extra_arguments_callables_and_python_numbers():
-  # optax.lbfgs takes a callable (`value_fn`): static, compared by identity;
-  # Python floats are passed as arrays, so a new value compiles nothing.
+  # optax.lbfgs takes a callable (`value_fn`) and runs a line search in a
+  # `lax.while_loop` of fresh closures, which JAX compiles on every eager
+  # call: the wrapped step, run op by op, compiles what the bare one does,
+  # no more, and takes the same steps.
   def loss(p):
     return jnp.sum((p["w"] - 1.0) ** 2) + jnp.sum(p["b"] ** 2)
 
-  tx = ls.static_loss_scale(optax.lbfgs(), 16.0)
-  params = _params()
-  state = tx.init(params)
   value_and_grad = jax.jit(jax.value_and_grad(loss))
-  with standard_promotion():
-    for i in range(4):
-      if i == 1:
-        counter = CompilationCounter()
-      value, g = value_and_grad(params)
-      scaled = jax.tree.map(lambda x: 16.0 * x, g)
-      extra = dict(value=float(value), grad=g, value_fn=loss)
-      params, state = ls.apply_gradients(tx, scaled, state, params, **extra)
-  assert counter.count == 0
-  assert float(loss(params)) < 1e-3
+
+  def run(tx, scale):
+    params = _params()
+    state = tx.init(params)
+    with standard_promotion():
+      for i in range(4):
+        if i == 1:
+          counter = CompilationCounter()
+        value, g = value_and_grad(params)
+        scaled = jax.tree.map(lambda x: scale * x, g)
+        extra = dict(value=float(value), grad=g, value_fn=loss)
+        if scale == 1:
+          u, state = tx.update(g, state, params, **extra)
+          params = optax.apply_updates(params, u)
+        else:
+          params, state = ls.apply_gradients(tx, scaled, state, params, **extra)
+    return params, counter.count
+
+  bare, bare_compilations = run(optax.lbfgs(), 1)
+  wrapped, compilations = run(ls.static_loss_scale(optax.lbfgs(), 16.0), 16.0)
+  assert compilations <= bare_compilations
+  assert_trees_close(wrapped, bare)
+  assert float(loss(wrapped)) < 1e-3
 
   scalar = ls.static_loss_scale(optax.sgd(1.0), 2.0)
   s = scalar.init(jnp.zeros(()))
@@ -165,3 +177,34 @@ def test_eager_steps_keep_only_a_few_static_arguments_alive():
   alive = sum(r() is not None for r in refs)
   assert alive <= 20, f"{alive} of 40 captured objects still alive"
   assert float(f(w)) < float(f(jnp.zeros(3)))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_eager_steps_read_the_inner_optimizers_python_state_every_step(name, fused):
+  # A learning rate held in Python and changed between steps: the bare
+  # optimizer, run eagerly, reads it on every step, and so does the wrapped
+  # one (run op by op), step for step, skipped steps included.
+  lr = {"now": 0.1}
+  schedule = lambda count: lr["now"]
+  tx = WRAPPERS[name](optax.sgd(schedule))
+  bare = optax.sgd(schedule)
+  params = want = _params()
+  state, bare_state = tx.init(params), bare.init(want)
+  with standard_promotion():
+    for i, bad in enumerate([None, None, INF, None, None]):
+      if i == 2:
+        lr["now"] = 0.01
+      g = _grads(i, bad)
+      scale = ls.get_loss_scale(state)
+      scaled = jax.tree.map(lambda x, s=scale: x * s, g)
+      if fused:
+        params, state = ls.apply_gradients(tx, scaled, state, params)
+      else:
+        u, state = tx.update(scaled, state, params)
+        params = optax.apply_updates(params, u)
+      if bad is None or name == "disabled":
+        u, bare_state = bare.update(g, bare_state, want)
+        want = optax.apply_updates(want, u)
+      assert_trees_close(params, want)
+  assert float(want["b"][0]) != float(_params()["b"][0])
