@@ -131,13 +131,24 @@ def _archive(ref: str, dest: str) -> None:
 
 
 def _run(tree: str, dtype: str, n: float, rounds: int) -> dict:
-  env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-  cmd = [sys.executable, os.path.abspath(__file__), "--child", dtype, str(n), str(rounds)]
+  env = dict(
+    os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu")
+  )
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    "--child",
+    dtype,
+    str(n),
+    str(rounds),
+  ]
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
   if proc.returncode != 0:
     sys.exit(f"the step failed in {tree} ({dtype}):\n{proc.stderr[-3000:]}")
   out = json.loads(proc.stdout.strip().splitlines()[-1])
-  if os.path.realpath(out["lossscale"]) != os.path.realpath(os.path.join(tree, "lossscale")):
+  if os.path.realpath(out["lossscale"]) != os.path.realpath(
+    os.path.join(tree, "lossscale")
+  ):
     sys.exit(f"imported lossscale from {out['lossscale']}, not from {tree}")
   return out
 

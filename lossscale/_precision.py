@@ -20,6 +20,8 @@ _F16_MIN_NORMAL = 2.0**-14
 
 
 def _floating_dtype(fn: str, arg: str, dtype: Any) -> np.dtype:
+  if dtype is None:  # NumPy reads None as float64, which JAX makes float32
+    raise ValueError(f"`{fn}({arg}=...)` must be a floating dtype, got None.")
   try:
     dt = jnp.dtype(dtype)
   except TypeError as e:
@@ -53,7 +55,8 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     `tree` with its floating array leaves cast to `dtype`.
 
   Raises:
-    ValueError: when `dtype` is not a floating dtype.
+    ValueError: when `dtype` is not a floating dtype (`None`, an integer,
+      bool or complex dtype).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -87,7 +90,8 @@ def with_compute_dtype(
     The wrapped function, with `fn`'s signature.
 
   Raises:
-    ValueError: when either dtype is not a floating dtype.
+    ValueError: when either dtype is not a floating dtype (`None`, an
+      integer, bool or complex dtype).
 
   Examples:
     >>> import jax.numpy as jnp

@@ -75,6 +75,44 @@ def get_loss_scale(x: Any) -> jax.Array:
   return jnp.asarray(_unwrap(find_state(x).loss_scale), jnp.float32)
 
 
+def _filled_like(leaf: Any, value: float, default_dtype: Any) -> Any:
+  """`value` in place of `leaf`: its shape, dtype, weak type and placement.
+
+  A concrete `jax.Array` keeps its sharding, so a state that spans the
+  devices of several processes (after a jitted step, or restored by orbax)
+  stays one global array that a checkpointer can save: each process builds
+  only its own devices' shards, with no communication. A traced leaf
+  (`set_loss_scale` inside `jax.jit`) is filled by `lax.full_like`; a NumPy
+  leaf stays a NumPy array; a Python number becomes a `default_dtype` array.
+  """
+  if isinstance(leaf, jax.core.Tracer):
+    return jax.lax.full_like(leaf, value)
+  if not hasattr(leaf, "dtype"):
+    return jnp.full(np.shape(leaf), value, default_dtype)
+  dtype = np.dtype(leaf.dtype)
+  host = np.full(leaf.shape, value, dtype)
+  if host.size and host.flat[0] != value:  # a hand-built state of another dtype
+    raise ValueError(
+      f"`set_loss_scale(loss_scale=...)`: {value!r} is not exactly"
+      f" representable in the state's {dtype.name} leaf (a loss scale is float32)."
+    )
+  if not isinstance(leaf, jax.Array):
+    return host
+  if leaf.weak_type and not _is_pmap_sharding(leaf.sharding):
+    # `make_array_from_callback` builds strongly typed arrays.
+    fill = jax.jit(
+      lambda old: jax.lax.full_like(old, value), out_shardings=leaf.sharding
+    )
+    return fill(leaf)
+  return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda i: host[i])
+
+
+def _is_pmap_sharding(sharding: Any) -> bool:
+  # Outputs of `jax.pmap` before JAX implemented it with `shard_map`.
+  pmap_sharding = getattr(jax.sharding, "PmapSharding", None)
+  return pmap_sharding is not None and isinstance(sharding, pmap_sharding)
+
+
 def set_loss_scale(x: T, loss_scale: float) -> T:
   """Returns `x` with its loss scale set to `loss_scale` (and `good_steps` 0).
 
@@ -91,6 +129,13 @@ def set_loss_scale(x: T, loss_scale: float) -> T:
   wrapper unscales by the scale in the state it is given, so the next step
   is right whatever the scale was ([Resuming with another
   configuration][resuming-with-another-configuration]).
+
+  Each of the two replaced arrays keeps its shape, dtype, weak type and
+  sharding: a state replicated by `jax.pmap` (a leading device axis) or
+  batched by `jax.vmap` (one scale per member) keeps its shape, and a state
+  sharded over a mesh, across the devices of several processes included,
+  stays one global array that orbax can save. Each process builds only its
+  own devices' part; call it on every process, as the step is.
 
   Args:
     x: an optimizer state with a [`lossscale.LossScaleState`][] nested
@@ -125,8 +170,8 @@ def set_loss_scale(x: T, loss_scale: float) -> T:
   state = find_state(x)
   old_scale: Any = state.loss_scale
   old_good: Any = state.good_steps
-  new_scale = jnp.full(jnp.shape(_unwrap(old_scale)), scale, jnp.float32)
-  new_good = jnp.zeros(jnp.shape(_unwrap(old_good)), jnp.int32)
+  new_scale = _filled_like(_unwrap(old_scale), scale, jnp.float32)
+  new_good = _filled_like(_unwrap(old_good), 0, jnp.int32)
   if _unwrap(old_scale) is not old_scale:  # NNX Variables: set in place
     _set_value(old_scale, new_scale)
     _set_value(old_good, new_good)

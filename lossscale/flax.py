@@ -332,7 +332,12 @@ def _spec(x: Any) -> str:
 
 
 def _leaf(name: str, where: str, value: Any, like: Any) -> jax.Array:
-  """`value` as an array, if it has the shape and dtype of `like` (a spec)."""
+  """`value` as an array, if it has the shape and dtype of `like` (a spec).
+
+  A float16 `value` where `like` is float32 is widened: the wrapper gives
+  float16 parameters a float32 inner state, where the Flax run's optax state
+  was float16 (float16 -> float32 is exact).
+  """
   if isinstance(value, (bool, int, float)) and like.shape == ():
     # A Python number, as a checkpoint may hold a scalar: exact only.
     as_array = np.asarray(value, like.dtype)
@@ -340,13 +345,28 @@ def _leaf(name: str, where: str, value: Any, like: Any) -> jax.Array:
       value = as_array
   if not hasattr(value, "dtype"):
     value = np.asarray(value)
-  if tuple(np.shape(value)) != tuple(like.shape) or np.dtype(value.dtype) != np.dtype(
-    like.dtype
-  ):
+  if tuple(np.shape(value)) != tuple(like.shape):
+    stacked = tuple(np.shape(value))[1:] == tuple(like.shape)
     raise ValueError(
       f"`{_FROM}({name}=...)`: at {where} expected {_spec(like)}, got"
-      f" {_spec(value)}. The old state must have the shapes and dtypes of the"
-      " new optimizer's (an unreplicated, not a pmap-stacked, state)."
+      f" {_spec(value)}. The old state must have the shapes of the new"
+      " optimizer's"
+      + (
+        ": pass one replica's state (`jax.tree.map(lambda x: x[0], state)`),"
+        " not a pmap-stacked one."
+        if stacked
+        else ", built for the same parameters."
+      )
+    )
+  dtype, want = np.dtype(value.dtype), np.dtype(like.dtype)
+  if dtype == np.float16 and want == np.float32:
+    return jnp.asarray(value, jnp.float32)
+  if dtype != want:
+    raise ValueError(
+      f"`{_FROM}({name}=...)`: at {where} expected {_spec(like)}, got"
+      f" {_spec(value)}. The old state must have the dtypes of the new"
+      " optimizer's; only float16 is converted (widened to float32, where the"
+      " wrapper keeps float16 parameters' state)."
     )
   return jnp.asarray(value)
 
@@ -488,6 +508,12 @@ def from_dynamic_scale(
   not count them. A `scale` outside the wrapper's `[min_scale, max_scale]`
   is kept as it is; the wrapper's steps then bring it into its range.
 
+  float16 parameters: the wrapper keeps their optimizer state in float32
+  (float16 moments underflow), where the Flax run's optax state was float16;
+  each float16 leaf of `opt_state` is widened to the float32 that
+  `tx.init(params)` has there (exactly: nothing is lost). No other dtype is
+  converted.
+
   Run it outside `jax.jit`, on an unreplicated state (one replica's, as
   Flax's examples save it); replicate the result as before.
 
@@ -516,7 +542,8 @@ def from_dynamic_scale(
 
   Raises:
     ValueError: when `opt_state` does not have the structure, shapes and
-      dtypes of the wrapped optimizer's state (with the paths that differ),
+      dtypes of the wrapped optimizer's state (with the paths that differ;
+      float16 where it has float32 is widened, not an error),
       when `scale` is not a positive normal finite float32 scalar or
       `fin_steps` not a non-negative integer scalar, or when `tx` holds no
       (or more than one) loss-scaling wrapper.

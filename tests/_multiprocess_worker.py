@@ -1,9 +1,11 @@
 """One process of the two-process test in test_multiprocess.py (not a test module).
 
-Run as `python _multiprocess_worker.py COORDINATOR PROCESS_ID OUT_JSON`: joins a
-2-process JAX job on loopback (2 CPU devices per process, gloo collectives),
-trains on a global 4-device mesh with `jax.shard_map`, with an inf injected
-into the data of process `BAD_PROCESS` only, and writes what it saw to
+Run as `python _multiprocess_worker.py COORDINATOR PROCESS_ID OUT_JSON CKPT_DIR`:
+joins a 2-process JAX job on loopback (2 CPU devices per process, gloo
+collectives), trains on a global 4-device mesh with `jax.shard_map`, with an
+inf injected into the data of process `BAD_PROCESS` only, then restarts the
+scale of a global state with `set_loss_scale` and checkpoints it with orbax
+under CKPT_DIR (shared by both processes), and writes what it saw to
 OUT_JSON. The parent also imports `train` to compute a single-process
 reference on 4 of its own devices.
 """
@@ -145,7 +147,44 @@ def train(mesh: jax.sharding.Mesh, bad_positions: list[int]) -> dict:
   }
 
 
-def main(coordinator: str, process_id: int, out_path: str) -> None:
+def set_scale_and_save(mesh: jax.sharding.Mesh, directory: str) -> dict:
+  """`set_loss_scale` on a state spread over every process's devices, saved
+  and restored with orbax; returns what the restored state holds."""
+  import orbax.checkpoint as ocp
+
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9), initial_scale=2.0**8)
+  replicated = NamedSharding(mesh, P())
+  params = jax.device_put({"w": jnp.ones((FEATURES,), jnp.float32)}, replicated)
+  state = jax.jit(tx.init, out_shardings=replicated)(params)
+  # A jitted step leaves the scale a global array on the whole mesh.
+  _, state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
+  state = ls.set_loss_scale(state, 2.0**10)
+  leaves = {"loss_scale": state.loss_scale, "good_steps": state.good_steps}
+  result = {
+    "reset_global": [not x.is_fully_addressable for x in leaves.values()],
+    "reset_sharding_kept": [
+      x.sharding == replicated and x.ndim == 0 for x in leaves.values()
+    ],
+  }
+  # orbax 0.11.5 (the oldest test stack) synchronises processes through a
+  # call the distributed client of JAX 0.4.35 lacks: no multi-process save.
+  client = ocp.multihost.get_jax_distributed_client()
+  if not hasattr(client, "key_value_try_get"):
+    return result
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(f"{directory}/reset", state)
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(f"{directory}/reset", state)
+  return result | {
+    "restored_scale": float(restored.loss_scale.addressable_data(0)),
+    "restored_good_steps": int(restored.good_steps.addressable_data(0)),
+    "restored_momentum": np.asarray(
+      restored.inner_state[0].trace["w"].addressable_data(0)
+    ).tolist(),
+  }
+
+
+def main(coordinator: str, process_id: int, out_path: str, ckpt_dir: str) -> None:
   jax.config.update("jax_platforms", "cpu")
   _compat.set_cpu_device_count(2)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -160,6 +199,7 @@ def main(coordinator: str, process_id: int, out_path: str) -> None:
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
     bad = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == BAD_PROCESS]
     result = train(mesh, bad)
+    result.update(set_scale_and_save(mesh, ckpt_dir))
     result.update(
       process_index=jax.process_index(),
       process_count=jax.process_count(),
@@ -174,4 +214,4 @@ def main(coordinator: str, process_id: int, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+  main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])

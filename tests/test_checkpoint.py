@@ -11,10 +11,12 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from optax.tree_utils import tree_get
 
 import lossscale as ls
-from _helpers import assert_trees_equal, standard_promotion
+from _helpers import assert_trees_equal, make_mesh, stack, standard_promotion
 
 _N_STEPS = 30
 _RESUME_AT = 16
@@ -393,3 +395,75 @@ def test_float16_checkpoints_move_between_enabled_and_disabled_with_nothing_lost
       want, _ = adam.update(g32, restored.inner_state, p32)
       assert u["w"].dtype == jnp.float16
       np.testing.assert_allclose(u["w"], want["w"].astype(jnp.float16), rtol=2.0**-10)
+
+
+def _leaf_kind(x):
+  """What `set_loss_scale` must keep of a leaf it replaces."""
+  return (x.shape, x.dtype, x.weak_type, x.sharding)
+
+
+def _assert_scale_reset_in_place(old_state, new_state, scale):
+  """`new_state` is `old_state` (a `LossScaleState`) with the scale set to
+  `scale` and `good_steps` 0, each replaced leaf of the same shape, dtype,
+  weak type and sharding."""
+  for name, value in (("loss_scale", scale), ("good_steps", 0)):
+    was, now = getattr(old_state, name), getattr(new_state, name)
+    assert _leaf_kind(now) == _leaf_kind(was), name
+    np.testing.assert_array_equal(now, np.full(was.shape, value, was.dtype))
+  keep = lambda s: s._replace(loss_scale=(), good_steps=())
+  assert_trees_equal(keep(new_state), keep(old_state), weak_type=True)
+
+
+def test_set_loss_scale_keeps_a_sharded_state_sharded(tmp_path):
+  # After a jitted SPMD step the state lives on every device of the mesh;
+  # a host-local scale beside it would no longer be one global array.
+  mesh = make_mesh()
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9))
+  params = {"w": jnp.zeros((8, 2))}
+  params = jax.device_put(params, NamedSharding(mesh, P("batch")))
+  state = jax.jit(tx.init)(params)
+  state = jax.device_put(state, NamedSharding(mesh, P()))
+  grads = jax.tree.map(jnp.ones_like, params)
+  _, state = jax.jit(tx.update)(grads, state, params)
+  assert isinstance(state.loss_scale.sharding, NamedSharding)
+
+  reset = ls.set_loss_scale(state, 2.0**10)
+  _assert_scale_reset_in_place(state, reset, 2.0**10)
+  assert reset.loss_scale.sharding.mesh == mesh
+  # Checkpointed and restored as it came.
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "reset", reset)
+  with ocp.StandardCheckpointer() as checkpointer:
+    restored = checkpointer.restore(tmp_path / "reset", reset)
+  assert_trees_equal(restored, reset, weak_type=True)
+
+
+def test_set_loss_scale_keeps_a_pmap_replicated_state_replicated():
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1))
+  n = jax.local_device_count()
+  state = jax.pmap(tx.init)(stack({"w": jnp.zeros(2)}, n))
+  assert state.loss_scale.shape == (n,)
+  reset = ls.set_loss_scale(state, 8.0)
+  _assert_scale_reset_in_place(state, reset, 8.0)
+  # It still feeds pmap, one scale per device.
+  scales = jax.pmap(ls.get_loss_scale)(reset)
+  np.testing.assert_array_equal(scales, np.full(n, 8.0, np.float32))
+
+
+def test_set_loss_scale_keeps_plain_and_ensemble_states():
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init({"w": jnp.zeros(2)})
+  _assert_scale_reset_in_place(state, ls.set_loss_scale(state, 4.0), 4.0)
+  ensemble = jax.vmap(tx.init)({"w": jnp.zeros((3, 2))})
+  _assert_scale_reset_in_place(ensemble, ls.set_loss_scale(ensemble, 4.0), 4.0)
+  # A weakly typed scale (a hand-built state) stays weakly typed, so a jitted
+  # step that saw it does not retrace.
+  weak = state._replace(loss_scale=jnp.asarray(2.0), good_steps=jnp.asarray(3))
+  assert weak.loss_scale.weak_type and weak.good_steps.weak_type
+  _assert_scale_reset_in_place(weak, ls.set_loss_scale(weak, 4.0), 4.0)
+  # NumPy leaves (a state restored without a target) stay NumPy arrays.
+  host = jax.tree.map(np.asarray, state)
+  reset = ls.set_loss_scale(host, 4.0)
+  assert isinstance(reset.loss_scale, np.ndarray)
+  assert reset.loss_scale.dtype == np.float32 and reset.good_steps.dtype == np.int32
+  assert float(reset.loss_scale) == 4.0 and int(reset.good_steps) == 0

@@ -459,3 +459,81 @@ def test_rejects_what_would_not_continue_the_run(change, match):
     kwargs["opt_state"] = bad_states[kwargs["opt_state"]]
   with pytest.raises(ValueError, match=match):
     ls.flax.from_dynamic_scale(params=params, **kwargs)
+
+
+class _Float16Net(nn.Module):
+  """float16 parameters: a Flax run's optax state is float16 too."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(4, dtype=jnp.float16, param_dtype=jnp.float16)(x)
+    return nn.Dense(1, dtype=jnp.float16, param_dtype=jnp.float16)(nn.relu(x))
+
+
+@pytest.mark.parametrize("form", ["optax", "orbax"])
+def test_widens_the_float16_state_of_a_float16_flax_run(form, tmp_path):
+  # lossscale gives float16 parameters a float32 inner state (float16 moments
+  # underflow); the Flax run's float16 moments are widened, exactly.
+  model = _Float16Net()
+  params = model.init(jax.random.key(0), jnp.ones((2, 3), jnp.float16))["params"]
+  flax_tx = optax.adam(1e-3)
+  flax_state = FlaxState.create(
+    apply_fn=model.apply,
+    params=params,
+    tx=flax_tx,
+    batch_stats={},
+    dynamic_scale=DynamicScale(scale=jnp.float32(2.0**10), fin_steps=jnp.int32(3)),
+  )
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 3)), jnp.float16)
+
+  @jax.jit
+  def flax_step(state):
+    loss_fn = lambda p: jnp.mean(state.apply_fn({"params": p}, x).astype(jnp.float32))
+    ds, _, _, grads = state.dynamic_scale.value_and_grad(loss_fn)(state.params)
+    # DynamicScale's gradients are float32: in the parameters' dtype, the
+    # optimizer state stays float16 (and the jitted step is not retraced).
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    return state.apply_gradients(grads=grads).replace(dynamic_scale=ds)
+
+  with standard_promotion():
+    flax_state = flax_step(flax_step(flax_state))
+  old = flax_state.opt_state
+  assert {x.dtype for x in jax.tree.leaves(old[0].mu)} == {jnp.dtype(jnp.float16)}
+  assert any(np.any(np.asarray(m) != 0) for m in jax.tree.leaves(old[0].nu))
+  dynamic_scale, opt_state = flax_state.dynamic_scale, old
+  if form == "orbax":
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(tmp_path / "ckpt", flax_state)
+    with ocp.StandardCheckpointer() as checkpointer:
+      raw = checkpointer.restore(tmp_path / "ckpt")
+    dynamic_scale, opt_state = raw["dynamic_scale"], raw["opt_state"]
+
+  tx = ls.dynamic_loss_scale(flax_tx, growth_interval=G + 1)
+  new = ls.flax.from_dynamic_scale(
+    dynamic_scale=dynamic_scale, opt_state=opt_state, tx=tx, params=flax_state.params
+  )
+  # The new optimizer's own types (float32 moments), so a jitted step that
+  # started from `tx.init` takes it without retracing.
+  fresh = tx.init(flax_state.params)
+  jax.lax.cond(True, lambda: fresh, lambda: new)
+  assert {x.dtype for x in jax.tree.leaves(new.inner_state[0].mu)} == {
+    jnp.dtype(jnp.float32)
+  }
+  # Nothing lost: float16 -> float32 is exact.
+  widen = lambda a: a.astype(np.float32) if a.dtype == np.float16 else a
+  want = jax.tree.map(lambda a: widen(np.asarray(a)), old)
+  assert_trees_equal(new.inner_state, want)
+  assert float(new.loss_scale) == float(flax_state.dynamic_scale.scale)
+  assert int(new.good_steps) == int(flax_state.dynamic_scale.fin_steps)
+
+
+def test_a_dtype_mismatch_says_dtype_not_replication():
+  params, old = _small()
+  narrow = jax.tree.map(lambda x: x.astype(jnp.bfloat16), old)
+  with pytest.raises(ValueError) as info:
+    ls.flax.from_dynamic_scale(
+      dynamic_scale=None, opt_state=narrow, tx=_lossscale_tx(), params=params
+    )
+  message = str(info.value)
+  assert "expected float32[2], got bfloat16[2]" in message
+  assert "dtype" in message and "pmap" not in message

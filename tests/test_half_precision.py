@@ -267,14 +267,40 @@ _SMALL_CASES = [("dynamic", name) for name in OPTIMIZERS] + [
 ]
 
 
+def test_float16_adam_second_moment_is_zero_below_the_documented_threshold():
+  # docs/how-it-works.md: with b2 = 0.999, optax computes the first
+  # `nu = (1 - b2) * g**2` in float16, and it is 0 for |g| < 5.458e-3
+  # (`0.0010004 * g**2` at or below 2**-25 rounds to 0); up to 9.46e-3 it is
+  # the smallest subnormal, 2**-24.
+  bits = np.arange(1, 0x7C00, dtype=np.uint16)  # every positive finite float16
+  g = bits.view(np.float16)
+  g = g[(g >= np.float16(1e-3)) & (g <= np.float16(2e-2))]
+  g64 = g.astype(np.float64)  # compared with the bounds exactly
+  adam = optax.scale_by_adam()  # b2 = 0.999
+  params = jnp.zeros(g.shape, jnp.float16)
+  with standard_promotion():
+    _, state = jax.jit(adam.update)(jnp.asarray(g), adam.init(params), params)
+  nu = np.asarray(state.nu)
+  assert nu.dtype == np.float16
+  # The reference: NumPy's float16 arithmetic, one rounding per operation.
+  want = np.float16(1 - 0.999) * (g * g) + np.float16(0.999) * np.float16(0)
+  np.testing.assert_array_equal(nu, want)
+  assert g64[nu == 0].max() < 5.458e-3 < g64[nu > 0].min()
+  one_step = (g64 > 5.458e-3) & (g64 < 9.46e-3)
+  assert (nu[one_step] == np.float16(2.0**-24)).all()
+  assert (nu[g64 >= 9.46e-3] > np.float16(2.0**-24)).all()
+  # The real-number bound the docs derive it from.
+  assert abs(np.sqrt(2.0**-25 / float(np.float16(0.001))) - 5.458e-3) < 1e-6
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("wrapper, name", _SMALL_CASES)
 def test_float16_params_with_small_gradients_follow_the_float32_run(wrapper, name):
-  # Adam's second moment of a gradient below 7.7e-3 is 0 in float16: a
-  # float16 optimizer state took steps up to 13x too large. The wrapper keeps
-  # float32 state for float16 parameters, so a few hundred steps of small
-  # gradients update like the bare optimizer run in float32 on the same
-  # parameters (kept fixed, so both runs see the same ones).
+  # Adam's second moment of a gradient below 5.458e-3 is 0 in float16 (the
+  # test above): a float16 optimizer state took steps up to 13x too large.
+  # The wrapper keeps float32 state for float16 parameters, so a few hundred
+  # steps of small gradients update like the bare optimizer run in float32
+  # on the same parameters (kept fixed, so both runs see the same ones).
   inner = OPTIMIZERS[name]
   tx = _WRAPPERS[wrapper](inner)
   scale = SCALE if wrapper == "dynamic" else 1.0

@@ -47,12 +47,27 @@ def test_cast_floating_rounds_like_float16_and_keeps_gradients_float32():
   np.testing.assert_array_equal(g, np.full(4, 3.0, np.float32))
 
 
-@pytest.mark.parametrize("bad", [jnp.int32, "int8", bool, "not-a-dtype"])
-def test_cast_floating_rejects_non_floating_dtypes(bad):
+# Dtype arguments that are not floating dtypes, and how an error names them.
+_NOT_FLOATING = [
+  (None, "None"),
+  (jnp.int32, "int32"),
+  ("int8", "int8"),
+  (bool, "bool"),
+  (jnp.bool_, "bool"),
+  (jnp.complex64, "complex64"),
+  ("not-a-dtype", "'not-a-dtype'"),
+]
+
+
+@pytest.mark.parametrize(("bad", "shown"), _NOT_FLOATING)
+def test_cast_floating_rejects_non_floating_dtypes(bad, shown):
+  # `None` is no floating dtype either: NumPy would read it as float64, which
+  # JAX (without x64) would have made float32, silently.
   with pytest.raises(
-    ValueError, match=r"`cast_floating\(dtype=...\)` must be a floating"
-  ):
-    ls.cast_floating({"w": jnp.ones(2)}, bad)
+    ValueError, match=r"`cast_floating\(dtype=...\)` must be a floating dtype, got "
+  ) as info:
+    ls.cast_floating({"w": jnp.ones(2, jnp.float16)}, bad)
+  assert str(info.value).endswith(f"got {shown}.")
 
 
 def test_with_compute_dtype_runs_in_compute_dtype_and_returns_output_dtype():
@@ -72,11 +87,18 @@ def test_with_compute_dtype_runs_in_compute_dtype_and_returns_output_dtype():
   assert g(jnp.ones(2)).dtype == jnp.float16
 
 
-def test_with_compute_dtype_rejects_bad_dtypes():
-  with pytest.raises(ValueError, match=r"with_compute_dtype\(compute_dtype=...\)"):
-    ls.with_compute_dtype(lambda x: x, jnp.int32)
-  with pytest.raises(ValueError, match=r"with_compute_dtype\(output_dtype=...\)"):
-    ls.with_compute_dtype(lambda x: x, jnp.float16, output_dtype=jnp.uint8)
+@pytest.mark.parametrize(("bad", "shown"), _NOT_FLOATING)
+def test_with_compute_dtype_rejects_bad_dtypes(bad, shown):
+  with pytest.raises(
+    ValueError, match=r"with_compute_dtype\(compute_dtype=...\)` must be a floating"
+  ) as info:
+    ls.with_compute_dtype(lambda x: x, bad)
+  assert str(info.value).endswith(f"got {shown}.")
+  with pytest.raises(
+    ValueError, match=r"with_compute_dtype\(output_dtype=...\)` must be a floating"
+  ) as info:
+    ls.with_compute_dtype(lambda x: x, jnp.float16, output_dtype=bad)
+  assert str(info.value).endswith(f"got {shown}.")
 
 
 def _numpy_reference(x):
