@@ -99,7 +99,9 @@ class TrainState(train_state.TrainState):
     Raises:
       ValueError: when a field given in `kwargs` changes its tree structure
         (a skipped step could not keep the old value), or when `tx` holds
-        no (or more than one) loss-scaling state.
+        no (or more than one) loss-scaling state, or one inside another
+        transformation's control flow (`optax.MultiSteps(wrapper)`), which
+        does not run on every step.
     """
     find_state(self.opt_state)  # Fails early with a clear message.
     check_consulted(self.opt_state)  # `last_finite`, read below, is current.
@@ -225,8 +227,9 @@ def nnx_step(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[...,
   changed (an `nnx.Intermediate` tuple that `sow` appended to; pop those in
   `fun` with `nnx.pop(model, nnx.Intermediate)`), cannot be selected and
   stay as `fun` left them; NNX objects passed in `args` (an `nnx.Rngs`) are
-  inputs and are not put back. The select costs one elementwise pass over
-  the model's and the optimizer's state.
+  inputs and are not put back. A variable holding a Python number comes
+  back as the array `nnx.jit` makes of it, eagerly too. The select costs one
+  elementwise pass over the model's and the optimizer's state.
 
   Args:
     fun: the loss function, `fun(model, *args, **kwargs)`; returns a real
@@ -245,7 +248,10 @@ def nnx_step(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[...,
     TypeError: when `optimizer` is not an `nnx.Optimizer` (a Flax
       `TrainState`, an optax state).
     ValueError: when `optimizer` holds no (or more than one) loss-scaling
-      state, or (Flax 0.10, `nnx.ModelAndOptimizer`) holds another model.
+      state, or one inside another transformation's control flow
+      (`optax.MultiSteps(wrapper)`, `optax.apply_if_finite(wrapper)`), which
+      does not run on every step, or (Flax 0.10, `nnx.ModelAndOptimizer`)
+      holds another model.
 
   Examples:
     >>> import jax.numpy as jnp, optax
