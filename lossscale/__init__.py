@@ -3,6 +3,8 @@
 from importlib import metadata as _metadata
 from typing import TYPE_CHECKING
 
+from lossscale._applied import step_applied as step_applied
+from lossscale._applied import where_applied as where_applied
 from lossscale._diagnostics import LossScaleStalledError as LossScaleStalledError
 from lossscale._diagnostics import check_not_stalled as check_not_stalled
 from lossscale._diagnostics import nonfinite_leaves as nonfinite_leaves
@@ -44,7 +46,9 @@ __all__ = [
   "set_loss_scale",
   "skip_nonfinite",
   "static_loss_scale",
+  "step_applied",
   "value_and_grad",
+  "where_applied",
   "with_compute_dtype",
 ]
 

@@ -27,6 +27,7 @@ import jax
 import optax
 
 from lossscale import _axes, _compat
+from lossscale._applied import check_consulted, control_flow_error
 from lossscale._loss_scale import (
   DECISION,
   Decision,
@@ -37,29 +38,6 @@ from lossscale._loss_scale import (
 )
 
 _is_decision = lambda x: isinstance(x, Decision)
-
-
-def _control_flow_containers() -> tuple[type, ...]:
-  # States of optax transformations that call their inner transformation
-  # inside `lax.cond`: a wrapper in there is not consulted on every step.
-  names = (
-    "MultiStepsState",
-    "ApplyIfFiniteState",
-    "ConditionallyMaskState",
-    "ConditionallyTransformState",
-  )
-  return tuple(getattr(optax, n) for n in names if hasattr(optax, n))
-
-
-def _control_flow_error(where: str) -> ValueError:
-  return ValueError(
-    f"`apply_gradients(tx=...)`: the loss-scaling wrapper is called inside"
-    f" {where}, under that transformation's own control flow, so the"
-    " decision to skip cannot be taken before the step. Put the wrapper outside (for"
-    " example `dynamic_loss_scale(optax.MultiSteps(...).gradient_transformation())`"
-    " instead of `optax.MultiSteps(dynamic_loss_scale(...))`), or use"
-    " `tx.update` + `optax.apply_updates`."
-  )
 
 
 def _count_error(found: str) -> ValueError:
@@ -85,11 +63,7 @@ def _decide(tx, grads, opt_state, params, extra_args) -> Decision:
   n_states = len(states_in(opt_state))
   if n_states != 1:
     raise _count_error("none" if not n_states else str(n_states))
-  for node in jax.tree_util.tree_leaves(
-    opt_state, is_leaf=lambda x: isinstance(x, _control_flow_containers())
-  ):
-    if isinstance(node, _control_flow_containers()) and states_in(node):
-      raise _control_flow_error(f"optax's {type(node).__name__[:-5]}")
+  check_consulted(opt_state)
   try:
     _, decided = tx.update(grads, opt_state, params, **extra_args, **{DECISION: None})
   except (TypeError, ValueError) as e:
@@ -99,7 +73,7 @@ def _decide(tx, grads, opt_state, params, extra_args) -> Decision:
       raise e from None
     if DECISION in str(e):
       raise _no_decision_error() from e
-    raise _control_flow_error("another transformation") from e
+    raise control_flow_error("another transformation") from e
   decisions = [d for d in jax.tree_util.tree_leaves(decided, is_leaf=_is_decision)]
   decisions = [d for d in decisions if _is_decision(d)]
   if len(decisions) != 1:

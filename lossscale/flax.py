@@ -34,6 +34,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     " `pip install 'lossscale[flax]'` (or `pip install flax`)."
   ) from e
 
+from lossscale._applied import check_consulted
 from lossscale._finite import is_array
 from lossscale._fused import apply_gradients
 from lossscale._loss_scale import _is_state, states_in
@@ -98,9 +99,12 @@ class TrainState(train_state.TrainState):
     Raises:
       ValueError: when a field given in `kwargs` changes its tree structure
         (a skipped step could not keep the old value), or when `tx` holds
-        no (or more than one) loss-scaling state.
+        no (or more than one) loss-scaling state, or one inside another
+        transformation's control flow (`optax.MultiSteps(wrapper)`), which
+        does not run on every step.
     """
     find_state(self.opt_state)  # Fails early with a clear message.
+    check_consulted(self.opt_state)  # `last_finite`, read below, is current.
     fp8 = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
     if fp8:  # Flax's float8 path: Flax's own step, params selected below
       new = super().apply_gradients(grads=grads, **kwargs)
@@ -223,8 +227,9 @@ def nnx_step(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[...,
   changed (an `nnx.Intermediate` tuple that `sow` appended to; pop those in
   `fun` with `nnx.pop(model, nnx.Intermediate)`), cannot be selected and
   stay as `fun` left them; NNX objects passed in `args` (an `nnx.Rngs`) are
-  inputs and are not put back. The select costs one elementwise pass over
-  the model's and the optimizer's state.
+  inputs and are not put back. A variable holding a Python number comes
+  back as the array `nnx.jit` makes of it, eagerly too. The select costs one
+  elementwise pass over the model's and the optimizer's state.
 
   Args:
     fun: the loss function, `fun(model, *args, **kwargs)`; returns a real
@@ -243,7 +248,10 @@ def nnx_step(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[...,
     TypeError: when `optimizer` is not an `nnx.Optimizer` (a Flax
       `TrainState`, an optax state).
     ValueError: when `optimizer` holds no (or more than one) loss-scaling
-      state, or (Flax 0.10, `nnx.ModelAndOptimizer`) holds another model.
+      state, or one inside another transformation's control flow
+      (`optax.MultiSteps(wrapper)`, `optax.apply_if_finite(wrapper)`), which
+      does not run on every step, or (Flax 0.10, `nnx.ModelAndOptimizer`)
+      holds another model.
 
   Examples:
     >>> import jax.numpy as jnp, optax
@@ -272,6 +280,8 @@ def nnx_step(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[...,
         "`nnx_step` needs an `nnx.Optimizer` (its state held in"
         f" `nnx.Variable`s), got {type(optimizer).__name__} instead."
       )
+    # `last_finite` decides what is put back: the wrapper must run every step.
+    check_consulted(optimizer.opt_state)
     takes_model = "model" in inspect.signature(type(optimizer).update).parameters
     if not takes_model and getattr(optimizer, "model", model) is not model:
       raise ValueError(
@@ -307,6 +317,9 @@ def _arrays_by_path(state: Any) -> dict[Any, Any]:
 
 def _keep_on_skip(applied: jax.Array, new: Any, old: Any) -> Any:
   """`new` on an applied step, `old` on a skipped one, where a select can."""
+  # A Python number becomes the weakly typed array `nnx.jit` would pass, so
+  # an eager step puts it back as a jitted one does.
+  new, old = _as_array(new), _as_array(old)
   if not (is_array(new) and is_array(old)):
     return new
   new, old = jnp.asarray(new), jnp.asarray(old)
@@ -314,6 +327,15 @@ def _keep_on_skip(applied: jax.Array, new: Any, old: Any) -> Any:
     return new
   # `lax.select` takes typed PRNG keys (an RNG stream's key) as they are.
   return jax.lax.select(jnp.broadcast_to(applied, new.shape), new, old)
+
+
+def _as_array(x: Any) -> Any:
+  if isinstance(x, (bool, int, float, complex)):
+    try:
+      return jnp.asarray(x)
+    except OverflowError:  # an int beyond int32: `nnx.jit` refuses it too
+      return x
+  return x
 
 
 def _variables(tree: Any) -> list[Any]:

@@ -268,3 +268,39 @@ def test_set_loss_scale_restarts_an_nnx_optimizers_scale_in_place():
   restart(optimizer)
   assert float(ls.get_loss_scale(optimizer)) == 8.0
   assert int(_get(find_state(optimizer).good_steps)) == 0
+
+
+class Counted(nnx.Module):
+  """Variables holding Python numbers, which the forward pass writes."""
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(2, 1, rngs=rngs)
+    self.calls = Seen(0)
+    self.last = Seen(0.5)
+
+  def __call__(self, x):
+    _set(self.calls, _get(self.calls) + 1)
+    _set(self.last, _get(self.last) * 2)
+    return self.linear(x)
+
+
+def test_eager_and_jitted_steps_put_back_python_numbers_alike():
+  # Under nnx.jit a Python number is a (weakly typed) array, which the
+  # skipped step selects; an eager step must put it back too.
+  xs = [jnp.array([[1.0, 2.0]]), jnp.array([[jnp.inf, 1.0]]), jnp.array([[3.0, 1.0]])]
+  loss = lambda m, x: jnp.mean(m(x) ** 2)
+  runs = {}
+  for jit in (False, True):
+    model = Counted(nnx.Rngs(0))
+    tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = ls.flax.nnx_step(loss)
+    step = nnx.jit(step) if jit else step
+    history = []
+    for x in xs:
+      step(optimizer, model, x)
+      history.append((_get(model.calls), _get(model.last)))
+    runs[jit] = history
+  # Counted on applied steps only: 1, 1 (skipped), 2; 1.0, 1.0, 2.0.
+  assert [(int(c), float(v)) for c, v in runs[False]] == [(1, 1.0), (1, 1.0), (2, 2.0)]
+  assert_trees_equal(runs[False], runs[True], weak_type=True)
