@@ -86,3 +86,10 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) $(OLDEST) $(WHEEL_VENV) site build $(DIST) .pytest_cache \
 		.ruff_cache .mypy_cache
+
+# The benchmark tables of docs/ and README.md, rewritten from
+# benchmarks/results/*.json by benchmarks/docs_tables.py (standard library
+# only); tests/test_docs_tables.py fails while a table and its JSON differ.
+.PHONY: docs-tables
+docs-tables:
+	$(PYTHON) benchmarks/docs_tables.py --write

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -131,10 +133,19 @@ def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def environment() -> dict[str, Any]:
+  """Where and with what a benchmark ran (`benchmarks/docs_tables.py` shows
+  it beside the tables): the versions of lossscale, jax, optax and of the
+  peers installed here, the device, and the commit of this checkout."""
+  from importlib import metadata
+
   import optax
 
+  import lossscale
+
   dev = jax.devices()[0]
-  return {
+  env = {
+    "lossscale": lossscale.__version__,
+    "commit": _commit(),
     "jax": jax.__version__,
     "optax": optax.__version__,
     "backend": jax.default_backend(),
@@ -142,6 +153,32 @@ def environment() -> dict[str, Any]:
     "devices": jax.device_count(),
     "cpu_count": os.cpu_count(),
   }
+  for peer in ("jmp", "flax"):
+    with contextlib.suppress(metadata.PackageNotFoundError):
+      env[peer] = metadata.version(peer)
+  return env
+
+
+def _commit() -> str | None:
+  """This checkout's commit, with "+dirty" when lossscale/ or benchmarks/
+  differ from it; None outside a git checkout."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(
+      ["git", "rev-parse", "--short=10", "HEAD"],
+      cwd=root,
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout.strip()
+    diff = subprocess.run(
+      ["git", "diff", "--quiet", "HEAD", "--", "lossscale", "benchmarks/*.py"],
+      cwd=root,
+      capture_output=True,
+    )
+  except (OSError, subprocess.CalledProcessError):
+    return None
+  return head + ("+dirty" if diff.returncode == 1 else "")
 
 
 def write_outputs(name: str, table: str, payload: dict, json_path: str | None) -> None:

@@ -175,16 +175,21 @@ def main(argv=None):
         flush=True,
       )
   if args.json:
+    payload = dict(
+      benchmark="compile_phases", environment=_environment(), records=records
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-      json.dump(dict(jax_version=_jax_version(), records=records), f, indent=2)
+      json.dump(payload, f, indent=2)
     print(f"wrote {args.json}")
 
 
-def _jax_version() -> str:
-  import jax
+def _environment() -> dict:
+  """`_bench.environment()` (imported here: this process compiles nothing)."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import _bench
 
-  return jax.__version__
+  return _bench.environment()
 
 
 if __name__ == "__main__":

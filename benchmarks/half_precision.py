@@ -96,7 +96,8 @@ def main(argv=None):
   )
   print(table)
   payload = dict(
-    env=_bench.environment(),
+    benchmark="half_precision",
+    environment=_bench.environment(),
     params=per_leaf * args.leaves,
     leaves=args.leaves,
     results=results,
