@@ -113,6 +113,11 @@ def child(dtype_name: str, n_params: float, rounds: int) -> None:
     json.dumps(
       {
         "lossscale": os.path.dirname(os.path.abspath(ls.__file__)),
+        "environment": {
+          k: v
+          for k, v in _bench.environment().items()
+          if k not in ("lossscale", "commit")
+        },
         "jax": jax.__version__,
         "bare_ms": base * 1e3,
         "ratios": {f"{n} / {c}": t / base for (n, c), t in medians.items()},
@@ -151,6 +156,23 @@ def _run(tree: str, dtype: str, n: float, rounds: int) -> dict:
   ):
     sys.exit(f"imported lossscale from {out['lossscale']}, not from {tree}")
   return out
+
+
+def _rev(ref: str) -> str:
+  return subprocess.run(
+    ["git", "-C", ROOT, "rev-parse", "--short=10", ref],
+    check=True,
+    capture_output=True,
+    text=True,
+  ).stdout.strip()
+
+
+def _commit() -> str:
+  """The working tree's commit, "+dirty" when lossscale/ differs from it."""
+  dirty = subprocess.run(
+    ["git", "-C", ROOT, "diff", "--quiet", "HEAD", "--", "lossscale"]
+  )
+  return _rev("HEAD") + ("+dirty" if dirty.returncode else "")
 
 
 def _half_range(xs: list[float]) -> float:
@@ -217,10 +239,31 @@ def main(argv: list[str] | None = None) -> int:
         f"| {case} | {key} | {mb:.2f}x ({min(b):.2f}-{max(b):.2f}) |"
         f" {mw:.2f}x ({min(w):.2f}-{max(w):.2f}) | {mw / mb:.2f}{flag} |"
       )
-      summary.append(dict(case=case, step=key, base=b, work=w))
+      summary.append(
+        dict(
+          case=case,
+          step=key,
+          base=b,
+          work=w,
+          base_median=mb,
+          work_median=mw,
+          slower=bool(flag),
+        )
+      )
   if args.json:
+    first = next(iter(results.values()))["work"][0]
+    environment = dict(first["environment"], commit=_commit())
+    payload = dict(
+      benchmark="compare",
+      base=args.base,
+      base_commit=_rev(args.base),
+      environment=environment,
+      repeats=args.repeats,
+      rounds=args.rounds,
+      results=summary,
+    )
     with open(args.json, "w") as f:
-      json.dump(dict(base=args.base, results=results, summary=summary), f, indent=1)
+      json.dump(payload, f, indent=1)
   if slower:
     print("\nslower than the base beyond the run's spread: " + "; ".join(slower))
     return 1

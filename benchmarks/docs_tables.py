@@ -578,8 +578,57 @@ def distributed(data: dict, source: str) -> list[str]:
   return [_source_line(data, source, what), "", *_table(headers, rows)]
 
 
+def finite_check(data: dict, source: str) -> list[str]:
+  """`finite_check.py`: the check alone, per formulation and gradient dtype,
+  against the bare AdamW step on the same tree."""
+  rows = [
+    [
+      _field(r, "dtype"),
+      _field(r, "variant"),
+      f"{_field(r, 'median_ms'):.2f}",
+      _x(_field(r, "vs_bare_step")),
+      f"{_field(r, 'temp_mb'):.1f}",
+    ]
+    for r in _records(data)
+  ]
+  what = (
+    "each check alone over the GPT-shaped tree, interleaved with the bare"
+    f" AdamW step on it, median of {_field(data, 'rounds')} rounds"
+  )
+  headers = ["gradients", "check", "median ms", "time / bare step", "temp MB"]
+  return [_source_line(data, source, what), "", *_table(headers, rows, align="ll")]
+
+
+def compare(data: dict, source: str) -> list[str]:
+  """`compare.py --json`: the working tree against a base commit, each step's
+  median ratio to its own process's bare AdamW step."""
+  rows = []
+  for r in _records(data):
+    base, work = _field(r, "base"), _field(r, "work")
+    b, w = _field(r, "base_median"), _field(r, "work_median")
+    rows.append(
+      [
+        _field(r, "case").replace("e+0", "e"),
+        _field(r, "step"),
+        f"{_x(b)} ({min(base):.2f}-{max(base):.2f})",
+        f"{_x(w)} ({min(work):.2f}-{max(work):.2f})",
+        f"{w / b:.2f}" + (" **slower**" if _field(r, "slower") else ""),
+      ]
+    )
+  base = f"{_field(data, 'base')} ({_field(data, 'base_commit')})"
+  what = (
+    f"time / bare AdamW, median over {_field(data, 'repeats')} processes per"
+    f" tree and case ({_field(data, 'rounds')} rounds each), base {base} and"
+    " this version alternating"
+  )
+  headers = ["case", "step", "base", "this version", "this / base"]
+  return [_source_line(data, source, what), "", *_table(headers, rows, align="ll")]
+
+
 RENDERERS: dict[str, Callable[[dict, str], list[str]]] = {
   "optimizer_step": optimizer_step,
+  "finite_check": finite_check,
+  "compare": compare,
   "optimizer_step_compact": optimizer_step_compact,
   "optimizer_step_targets": optimizer_step_targets,
   "optimizer_step_evidence": optimizer_step_evidence,

@@ -173,7 +173,6 @@ def lossscale_select_formulation(adam):
 
   rule = _loss_scale._Rule(
     initial_scale=SCALE,
-    scaled=True,
     dynamic=True,
     growth_interval=2000,
     growth_factor=2.0,
@@ -187,7 +186,7 @@ def lossscale_select_formulation(adam):
     return _loss_scale.LossScaleState(**counters, inner_state=adam.init(params))
 
   def step(params, state, grads):
-    u = _loss_scale._unscale(grads, state.loss_scale)
+    u = _loss_scale._unscale(grads, _loss_scale._unscale_factors(state.loss_scale))
     finite = ls.all_finite(u)
     safe = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), u)
     updates, inner = adam.update(safe, state.inner_state, params)

@@ -91,10 +91,11 @@ def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
     )
   if factor is None:
     return _all_flags(leaves, None)
-  if not isinstance(factor, jax.core.Tracer):  # eager: decided here
-    return _all_flags(leaves, None if factor <= 1 else factor)
+  small = factor <= 1
+  if not isinstance(small, jax.core.Tracer):  # outside any trace: decided here
+    return _all_flags(leaves, None if small else factor)
   return jax.lax.cond(
-    factor <= 1, lambda: _all_flags(leaves, None), lambda: _all_flags(leaves, factor)
+    small, lambda: _all_flags(leaves, None), lambda: _all_flags(leaves, factor)
   )
 
 

@@ -636,15 +636,6 @@ def _wrap(
   def update_fn(updates, state, params=None, **extra_args):
     given = extra_args.pop(DECISION, _ORDINARY)
     _check_state(fn, state)
-    # Called outside any trace, the step is decided in Python and `inner`
-    # runs op by op, exactly as the bare optimizer runs eagerly (Python
-    # state it reads, such as a learning rate changed between steps, is
-    # read on every step; nothing is compiled after the first step).
-    eager = not any(
-      isinstance(x, jax.core.Tracer)
-      for x in jax.tree_util.tree_leaves((updates, state, params, extra_args, given))
-    )
-    run = run_apply if eager else run_traced
     if isinstance(given, Decision):
       updates = given.incoming
     # Python float leaves: arrays, as `jax.jit` would make them, so that a
@@ -658,6 +649,15 @@ def _wrap(
       finite = given.finite
     else:
       finite = decide(updates, scale)
+
+    # Called outside any trace (the flag is concrete: no enclosing
+    # transformation stages its computation), the step is decided in Python
+    # and `inner` runs op by op, exactly as the bare optimizer runs eagerly
+    # (Python state it reads, such as a learning rate changed between
+    # steps, is read on every step; nothing is compiled after the first
+    # step).
+    eager = not isinstance(finite, jax.core.Tracer)
+    run = run_apply if eager else run_traced
 
     # Half-precision gradients are unscaled in float32; the inner optimizer
     # then runs in float32 throughout (its state and the params widened too:
@@ -678,8 +678,12 @@ def _wrap(
     else:  # decided in Python when eager, even where `inner` is traced
       scaling = float(scale) if eager else scale
 
-    def apply(inner_state=state.inner_state):
+    def apply(inner_state=state.inner_state, run=run):
       return run(updates, scaling, finite, inner_state, params, extra_args, widened)
+
+    # Output shapes from the traced step, cached by argument types, eager or
+    # not: an eager step calls `inner` once, to run it.
+    traced = functools.partial(apply, run=run_traced)
 
     if rule.enabled and params is not None:
       _check_gradients(fn, updates, params, state.inner_state, apply)
@@ -688,7 +692,7 @@ def _wrap(
       # The output shapes, and whether the inner optimizer writes the state
       # after the updates in a second call (`read_after`): not when it has
       # effects (`jax.debug.print`, callbacks), which would run twice.
-      closed, out = jax.make_jaxpr(apply, return_shape=True)()
+      closed, out = jax.make_jaxpr(traced, return_shape=True)()
       return out, widened and not closed.effects
 
     if given is None:  # decide only
@@ -702,7 +706,7 @@ def _wrap(
         new_updates, inner_state = apply()
       else:
         # Zeros made on the host: nothing to compile on the first skip.
-        zeros = jax.tree.map(_host_zeros, jax.eval_shape(apply)[0])
+        zeros = jax.tree.map(_host_zeros, jax.eval_shape(traced)[0])
         new_updates, inner_state = zeros, state.inner_state
     elif given is _ORDINARY and rule.enabled:
       # `lax.cond`: a skipped step runs no optimizer, a finite one updates

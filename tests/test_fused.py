@@ -378,13 +378,22 @@ def test_inner_optimizer_traced_once_per_step():
     lambda tx, g, s, p: ls.apply_gradients(tx, g, s, p),
     lambda tx, g, s, p: tx.update(g, s, p),
   ]
-  # Outside shard_map (axis bound by vmap).
+  # Outside shard_map (axis bound by vmap), jitted; and eagerly, where the
+  # decision is concrete and `inner` runs op by op: once per step after the
+  # first (which also traces it once, for its output shapes).
   for fn in steps:
-    traces.clear()
-    jax.vmap(
-      functools.partial(fn, make_tx()), axis_name="batch", in_axes=(0, None, None)
-    )(jax.tree.map(lambda x: x[None], _grads(0)), state, params)
-    assert len(traces) == 1
+    for jit in (True, False):
+      traces.clear()
+      step = jax.vmap(
+        functools.partial(fn, make_tx()), axis_name="batch", in_axes=(0, None, None)
+      )
+      step = jax.jit(step) if jit else step
+      step(jax.tree.map(lambda x: x[None], _grads(0)), state, params)
+      first = len(traces)
+      assert first == 1 if jit else first <= 2
+      if not jit:
+        step(jax.tree.map(lambda x: x[None], _grads(1)), state, params)
+        assert len(traces) == first + 1
   # Inside shard_map, where the branches' varying axes must be matched.
   mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
   for fn in steps:
