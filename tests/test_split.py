@@ -37,10 +37,10 @@ def _grads(params, step, scale=1.0):
 def _conds(closed_jaxpr):
   """Every `cond` in a jaxpr, in calls too, as (outputs, reduce_sums inside)."""
   found = []
-  for eqn in closed_jaxpr.jaxpr.eqns:
+  for eqn in closed_jaxpr.eqns:
     if eqn.primitive.name == "cond":
       reductions = sum(
-        sum(e.primitive.name == "reduce_sum" for e in b.jaxpr.eqns)
+        sum(e.primitive.name == "reduce_sum" for e in b.eqns)
         for b in eqn.params["branches"]
       )
       found.append((len(eqn.outvars), reductions))
