@@ -17,6 +17,7 @@ import numpy as np
 from _helpers import make_mesh
 
 _WORKER = pathlib.Path(__file__).with_name("_multiprocess_worker.py")
+_ERRORS = ("-W", "error")  # warnings are errors, as in the suite (pyproject.toml)
 
 
 def _load_worker():
@@ -48,7 +49,7 @@ def test_two_processes_skip_together(tmp_path):
       with open(logs[i], "w") as log:
         children.append(
           subprocess.Popen(
-            [sys.executable, str(_WORKER), coordinator, str(i), str(outs[i])],
+            [sys.executable, *_ERRORS, str(_WORKER), coordinator, str(i), str(outs[i])],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
