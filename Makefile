@@ -2,7 +2,17 @@
 # fresh machine (Python 3.11+ and pip): .venv has the newest releases,
 # .venv-oldest the lower bounds that pyproject.toml states, and .venv-wheel
 # (dist-check) only the built wheel and what it requires.
-PYTHON ?= python3
+#
+# .venv is built with the newest Python this machine has (the newest JAX
+# needs Python 3.12 or newer), .venv-oldest with the oldest supported one
+# (3.11): .ci/find_python looks for python3.X on PATH, then pyenv's, then
+# python3, and says on stderr when it falls back. `make test PYTHON=python`
+# builds both with one Python; NEWEST_PYTHON=... and OLDEST_PYTHON=... each.
+PYTHON ?=
+NEWEST_PYTHON ?= $(or $(PYTHON),$(call found_python,newest))
+OLDEST_PYTHON ?= $(or $(PYTHON),$(call found_python,oldest))
+# Looked for once per run of make, and only by the targets that use it.
+found_python = $(or $(FOUND_$1),$(eval FOUND_$1 := $$(shell .ci/find_python $1))$(FOUND_$1))
 export NO_MKDOCS_2_WARNING := 1
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,18 +25,25 @@ DIST := dist
 WHEEL_VENV := .venv-wheel
 
 .PHONY: test check-newest test-newest test-oldest lint typecheck docs-check \
-	dist-check demo docs bench clean
+	dist-check demo docs bench clean FORCE
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# DIR/.python: the Python version DIR is built with (.ci/venv creates DIR,
+# or rebuilds it when that Python's version changes, and rewrites the file
+# only then, so that the stamps below reinstall only then).
+$(VENV)/.python: FORCE
+	@.ci/venv $(VENV) "$(NEWEST_PYTHON)"
+
+$(OLDEST)/.python: FORCE
+	@.ci/venv $(OLDEST) "$(OLDEST_PYTHON)"
+
+$(STAMP): pyproject.toml $(VENV)/.python
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
 # The oldest supported stack: every runtime, flax and test requirement pinned
 # to its lower bound in pyproject.toml (.ci/lower_bounds.py writes the pins).
-$(OLDEST_STAMP): pyproject.toml .ci/lower_bounds.py
-	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST)
+$(OLDEST_STAMP): pyproject.toml .ci/lower_bounds.py $(OLDEST)/.python
 	$(OLDEST_PY) -m pip install --quiet --upgrade pip
 	$(OLDEST_PY) .ci/lower_bounds.py flax test > $(OLDEST)/constraints.txt
 	$(OLDEST_PY) -m pip install --quiet -c $(OLDEST)/constraints.txt -e ".[test]"
@@ -34,7 +51,9 @@ $(OLDEST_STAMP): pyproject.toml .ci/lower_bounds.py
 
 # Everything on the newest stack (lint, types, the suite with its doctests, a
 # strict docs build, the built distributions), then the suite on the oldest.
-# CI runs all of it on Python 3.11 and check-newest on 3.13.
+# CI runs all of it with Python 3.11 and 3.13 installed (the newest stack on
+# 3.13, the oldest on 3.11), and test-newest with 3.11 alone (PYTHON=python:
+# the newest releases Python 3.11 gets).
 test: check-newest test-oldest
 
 check-newest: lint typecheck test-newest docs-check dist-check
@@ -65,7 +84,7 @@ dist-check: $(STAMP)
 	$(PY) -m build --outdir $(DIST) .
 	$(PY) -m twine check --strict $(DIST)/*
 	$(PY) .ci/check_dist.py $(DIST)
-	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(NEWEST_PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install --quiet $(DIST)/*.whl
 	run=$$(mktemp -d) && cp examples/quickstart.py .ci/installed_wheel.py "$$run" \
 		&& cd "$$run" && $(abspath $(WHEEL_VENV))/bin/python -I installed_wheel.py \

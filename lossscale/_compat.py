@@ -94,3 +94,29 @@ def new_var(aval: Any) -> Any:
 
   var: Any = jax_core.Var
   return var("", aval) if _var_takes_suffix() else var(aval)
+
+
+@functools.cache
+def _jaxprs_hold_consts() -> bool:
+  """Whether a jaxpr carries its constants itself: from jax 0.12 on,
+  `ClosedJaxpr` is `Jaxpr` (the name kept as an alias, to be removed), and
+  `closed.jaxpr`, the closed jaxpr itself, is a legacy accessor too."""
+  import jax.extend.core as jax_core
+
+  return getattr(jax_core, "ClosedJaxpr", jax_core.Jaxpr) is jax_core.Jaxpr
+
+
+def open_jaxpr(closed: Any) -> Any:
+  """The jaxpr of a closed one (`jax.make_jaxpr`'s result, a `jit` call's
+  `jaxpr` parameter): its `constvars`, `invars`, `outvars` and
+  `debug_info` (`eqns`, `effects` and `consts` are the closed one's too)."""
+  return closed if _jaxprs_hold_consts() else closed.jaxpr
+
+
+def close_jaxpr(jaxpr: Any) -> Any:
+  """`jaxpr`, built without constants, closed, as `cond_p` takes branches."""
+  if _jaxprs_hold_consts():
+    return jaxpr
+  import jax.extend.core as jax_core
+
+  return jax_core.ClosedJaxpr(jaxpr, [])

@@ -122,7 +122,7 @@ def check_not_stalled(
     members = np.argwhere(np.broadcast_to(stalled, consecutive.shape))
     stalled_members = [tuple(int(i) for i in m) for m in members]
     where = f" (batched or replicated state: members {stalled_members})"
-    scale = float(np.broadcast_to(scales, consecutive.shape)[stalled].min())
+    scale = float(np.min(np.broadcast_to(scales, consecutive.shape)[stalled]))
     total = int(np.broadcast_to(skipped, consecutive.shape)[stalled].max())
   if min_scale is None:
     scale_note = (

@@ -158,7 +158,7 @@ class _Graph:
     return v
 
   def _add(self, closed: Any, args: list[int]) -> list[int]:
-    jaxpr = closed.jaxpr
+    jaxpr = _compat.open_jaxpr(closed)
     env: dict[Any, int] = {}
     for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
       env[var] = v = self._value(var.aval)
@@ -282,7 +282,7 @@ def _types(atoms: list[Any]) -> list[tuple]:
 def _debug_info(like: Any) -> Any:
   """Debug info for a jaxpr built from `like`'s equations: its function's,
   argument and result names unknown (JAX before 0.5 takes None)."""
-  info = getattr(like.jaxpr, "debug_info", None)
+  info = getattr(_compat.open_jaxpr(like), "debug_info", None)
   if info is None or not hasattr(info, "resolve_result_paths"):
     return None
   try:
@@ -324,7 +324,7 @@ def _bind_built_cond(
       for i, aval in enumerate(operands.avals)
     ]
     jaxpr = jax_core.Jaxpr([], invars, outvars, eqns, debug_info=debug_info)
-    return jax_core.ClosedJaxpr(jaxpr, [])
+    return _compat.close_jaxpr(jaxpr)
 
   index = jax.lax.convert_element_type(pred, jax.numpy.int32)
   return jax_core.primitives.cond_p.bind(
@@ -336,13 +336,13 @@ def _bind_built_cond(
 
 def _is_large(eqn: Any) -> bool:
   """A call worth inlining: one with several outputs or much work."""
-  return len(eqn.outvars) > 1 or len(eqn.params["jaxpr"].jaxpr.eqns) > 16
+  return len(eqn.outvars) > 1 or len(eqn.params["jaxpr"].eqns) > 16
 
 
 def _is_cheap(eqn: Any) -> bool:
   name = eqn.primitive.name
   if name in _CALLS:
-    return all(_is_cheap(e) for e in eqn.params["jaxpr"].jaxpr.eqns)
+    return all(_is_cheap(e) for e in eqn.params["jaxpr"].eqns)
   return name in _CHEAP
 
 
@@ -473,8 +473,8 @@ def cond(
   false_closed = jax.make_jaxpr(false_fn)()
   leaves, tree = jax.tree_util.tree_flatten(out_shape)
   if (
-    true_closed.jaxpr.effects
-    or false_closed.jaxpr.effects
+    true_closed.effects
+    or false_closed.effects
     or len(leaves) <= _OUTPUTS
     # Hoisted scalars are computed on a skipped step too, from zeroed
     # gradients (a norm of 0, divided by): no NaN for `jax.debug_nans`.

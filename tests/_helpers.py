@@ -280,7 +280,7 @@ def primitive_count(closed_jaxpr, name):
   (`jax.jit` inside the traced function) counted once per call site;
   branches of a `cond` are not looked into."""
   count = 0
-  for eqn in closed_jaxpr.jaxpr.eqns:
+  for eqn in closed_jaxpr.eqns:
     if eqn.primitive.name == name:
       count += 1
     inner = eqn.params.get("jaxpr")

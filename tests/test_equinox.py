@@ -18,11 +18,11 @@ SCALE = 2.0**10
 
 
 def _mlp(seed=0):
-  return eqx.nn.MLP(2, 1, 8, 1, key=jax.random.PRNGKey(seed))
+  return eqx.nn.MLP(2, 1, 8, 1, key=jax.random.key(seed))
 
 
 def _data():
-  x = jax.random.normal(jax.random.PRNGKey(1), (16, 2))
+  x = jax.random.normal(jax.random.key(1), (16, 2))
   y = jnp.sin(x[:, :1]) + 0.5 * x[:, 1:]
   return x, y
 

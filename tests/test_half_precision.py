@@ -429,10 +429,12 @@ def test_read_after_keeps_every_value_bit_for_bit():
   assert any_ordered
   assert_trees_equal(ordered, state)
   # Only the bfloat16 leaf in the params-shaped subtree depends on them.
-  jaxpr = jax.make_jaxpr(lambda s, p: read_after(s, p)[0])(state, new_params)
-  outs = jaxpr.jaxpr.outvars
-  assert outs[0] not in jaxpr.jaxpr.invars  # ordered
-  assert [o in jaxpr.jaxpr.invars for o in outs[1:]] == [True] * 3
+  jaxpr = _compat.open_jaxpr(
+    jax.make_jaxpr(lambda s, p: read_after(s, p)[0])(state, new_params)
+  )
+  outs = jaxpr.outvars
+  assert outs[0] not in jaxpr.invars  # ordered
+  assert [o in jaxpr.invars for o in outs[1:]] == [True] * 3
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["apply_gradients", "update"])

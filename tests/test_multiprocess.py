@@ -18,6 +18,7 @@ import pytest
 from _helpers import make_mesh
 
 _WORKER = pathlib.Path(__file__).with_name("_multiprocess_worker.py")
+_ERRORS = ("-W", "error")  # warnings are errors, as in the suite (pyproject.toml)
 
 
 def _load_worker():
@@ -53,7 +54,7 @@ def two_processes(tmp_path_factory):
       with open(logs[i], "w") as log:
         children.append(
           subprocess.Popen(
-            [sys.executable, str(_WORKER), *args],
+            [sys.executable, *_ERRORS, str(_WORKER), *args],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -38,11 +38,11 @@ def _conds(closed_jaxpr):
   """Every `cond` of the step in a jaxpr, in calls too, as (outputs,
   reduce_sums inside); the finite check's own (one bool out) is left out."""
   found = []
-  for eqn in closed_jaxpr.jaxpr.eqns:
+  for eqn in closed_jaxpr.eqns:
     check = len(eqn.outvars) == 1 and eqn.outvars[0].aval.dtype == jnp.bool_
     if eqn.primitive.name == "cond" and not check:
       reductions = sum(
-        sum(e.primitive.name == "reduce_sum" for e in b.jaxpr.eqns)
+        sum(e.primitive.name == "reduce_sum" for e in b.eqns)
         for b in eqn.params["branches"]
       )
       found.append((len(eqn.outvars), reductions))
