@@ -25,7 +25,7 @@ DIST := dist
 WHEEL_VENV := .venv-wheel
 
 .PHONY: test check-newest test-newest test-oldest lint typecheck docs-check \
-	dist-check demo docs bench clean FORCE
+	dist-check demo docs bench bench-compare clean FORCE
 
 # DIR/.python: the Python version DIR is built with (.ci/venv creates DIR,
 # or rebuilds it when that Python's version changes, and rewrites the file
@@ -101,6 +101,15 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/optimizer_step.py
+
+# The optimizer step (float32 and bfloat16) at BASE and at the working tree,
+# in alternating separate processes: exits 1 when the working tree is slower
+# beyond the run's spread. Run before every change to the compiled step
+# (timings are never asserted by the tests). make bench-compare BASE=c193e02
+BASE ?=
+bench-compare: $(STAMP)
+	@test -n "$(BASE)" || { echo "usage: make bench-compare BASE=<git ref>"; exit 2; }
+	$(PY) benchmarks/compare.py --base "$(BASE)"
 
 clean:
 	rm -rf $(VENV) $(OLDEST) $(WHEEL_VENV) site build $(DIST) .pytest_cache \

@@ -57,6 +57,22 @@ def transformer_shapes(n_params: float, n_layers: int = 12) -> dict[str, tuple]:
   return shapes
 
 
+def gpt_tree(n_params: float, dtype: Any, n_layers: int = 12) -> tuple[dict, dict]:
+  """Parameters of `dtype` shaped by `transformer_shapes`, and float32
+  gradients for them (`1e-3` times a normal), the same for every run."""
+  shapes = transformer_shapes(n_params, n_layers)
+  key = jax.random.key(0)
+  params = {
+    k: (0.02 * jax.random.normal(jax.random.fold_in(key, i), s)).astype(dtype)
+    for i, (k, s) in enumerate(shapes.items())
+  }
+  grads = {
+    k: 1e-3 * jax.random.normal(jax.random.fold_in(key, 10**6 + i), s, jnp.float32)
+    for i, (k, s) in enumerate(shapes.items())
+  }
+  return params, grads
+
+
 def tree_bytes(tree: Any) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 

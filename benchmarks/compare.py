@@ -12,7 +12,10 @@ transformer-shaped tree (`_bench.transformer_shapes`, donated parameters and
 state): `apply_gradients` on finite and on overflowing gradients, and
 `tx.update` + `optax.apply_updates`. A process reports each step's median
 time as a ratio to its own bare step, so load that drifts between processes
-cancels. The base tree is `git archive`d from BASE (its `lossscale/` only);
+cancels. A `compile:LEAVES` case (`--cases float32:25e6,compile:2000`)
+instead measures the trace + compile time (CPU seconds of the process) of
+each step on a tree of LEAVES leaves of 64 float32, against the bare
+step's. The base tree is `git archive`d from BASE (its `lossscale/` only);
 both trees are timed by this script.
 
 Prints the median ratio over the repetitions for each tree, side by side,
@@ -41,6 +44,76 @@ STEPS = (
   ("apply_gradients", "overflow"),
   ("tx.update + apply_updates", "finite"),
 )
+COMPILE_STEPS = (
+  ("apply_gradients", "compile"),
+  ("tx.update + apply_updates", "compile"),
+)
+
+
+def child_compile(n_leaves: int) -> None:
+  """Trace + compile time (CPU seconds of this process) of each step on a
+  tree of `n_leaves` leaves of 64 float32, as a ratio to the bare step's;
+  prints one JSON line."""
+  sys.path.insert(0, HERE)
+  import time
+
+  import _bench
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import lossscale as ls
+
+  params = {f"l{i:05d}": jnp.full((64,), 0.01, jnp.float32) for i in range(n_leaves)}
+  adam = optax.adamw(1e-4)
+
+  def bare(p, s, g):
+    updates, s = adam.update(g, s, p)
+    return optax.apply_updates(p, updates), s
+
+  def update(tx):
+    def step(p, s, g):
+      updates, s = tx.update(g, s, p)
+      return optax.apply_updates(p, updates), s
+
+    return step
+
+  def fused(tx):
+    return lambda p, s, g: ls.apply_gradients(tx, g, s, p)
+
+  seconds = {}
+  for name, make in (
+    ("bare adamw / compile", lambda: (bare, adam)),
+    (
+      "apply_gradients / compile",
+      lambda: (fused(tx := ls.dynamic_loss_scale(adam)), tx),
+    ),
+    (
+      "tx.update + apply_updates / compile",
+      lambda: (update(tx := ls.dynamic_loss_scale(adam)), tx),
+    ),
+  ):
+    step, tx = make()  # a new wrapper: nothing traced or compiled yet
+    state = tx.init(params)
+    with jax.numpy_dtype_promotion("standard"):
+      t = time.process_time()
+      jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
+      seconds[name] = time.process_time() - t
+  base = seconds["bare adamw / compile"]
+  print(
+    json.dumps(
+      {
+        "lossscale": os.path.dirname(os.path.abspath(ls.__file__)),
+        "environment": {
+          k: v
+          for k, v in _bench.environment().items()
+          if k not in ("lossscale", "commit")
+        },
+        "bare_ms": base * 1e3,
+        "ratios": {k: v / base for k, v in seconds.items()},
+      }
+    )
+  )
 
 
 def child(dtype_name: str, n_params: float, rounds: int) -> None:
@@ -54,16 +127,7 @@ def child(dtype_name: str, n_params: float, rounds: int) -> None:
   import lossscale as ls
 
   dtype = jnp.dtype(dtype_name)
-  shapes = _bench.transformer_shapes(n_params)
-  key = jax.random.key(0)
-  params = {
-    k: (0.02 * jax.random.normal(jax.random.fold_in(key, i), s)).astype(dtype)
-    for i, (k, s) in enumerate(shapes.items())
-  }
-  grads32 = {
-    k: 1e-3 * jax.random.normal(jax.random.fold_in(key, 10**6 + i), s)
-    for i, (k, s) in enumerate(shapes.items())
-  }
+  params, grads32 = _bench.gpt_tree(n_params, dtype)
   grads = jax.tree.map(lambda g: g.astype(dtype), grads32)
   scaled = jax.tree.map(lambda g: (g * SCALE).astype(dtype), grads32)
   overflow = dict(scaled)
@@ -187,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument(
     "--cases",
     default="float32:25e6,bfloat16:10e6",
-    help="comma-separated dtype:parameters (float32, bfloat16, float16)",
+    help="comma-separated dtype:parameters (float32, bfloat16, float16), or"
+    " compile:LEAVES for the trace + compile time of a LEAVES-leaf step",
   )
   ap.add_argument("--json", default=None, help="where to write the results")
   args = ap.parse_args(argv)
@@ -196,8 +261,11 @@ def main(argv: list[str] | None = None) -> int:
   cases = []
   for case in args.cases.split(","):
     dtype, _, n = case.partition(":")
-    if dtype not in ("float32", "bfloat16", "float16") or not n:
-      ap.error(f"--cases: expected dtype:parameters such as float32:25e6, got {case!r}")
+    if dtype not in ("float32", "bfloat16", "float16", "compile") or not n:
+      ap.error(
+        "--cases: expected dtype:parameters such as float32:25e6 (or"
+        f" compile:LEAVES), got {case!r}"
+      )
     cases.append((dtype, float(n)))
 
   with tempfile.TemporaryDirectory() as tmp:
@@ -212,11 +280,14 @@ def main(argv: list[str] | None = None) -> int:
           out = _run(trees[which], dtype, n, args.rounds)
           runs[which].append(out)
           print(
-            f"{dtype} {n:.0e} {which} #{r + 1}: bare {out['bare_ms']:.1f} ms, "
+            f"{dtype} {n / 1e6:g}M {which} #{r + 1}: bare {out['bare_ms']:.1f} ms, "
             + ", ".join(f"{k} {v:.2f}x" for k, v in out["ratios"].items() if v != 1),
             flush=True,
           )
-      results[f"{dtype}:{n:.0e}"] = runs
+      label = f"{dtype}, {n / 1e6:g}M params"
+      if dtype == "compile":
+        label = f"compile, {n:g} leaves"
+      results[label] = runs
 
   slower = []
   print(f"\nmedian time / bare adamw over {args.repeats} processes each")
@@ -225,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
   print("|---|---|---:|---:|---:|")
   summary = []
   for case, runs in results.items():
-    for name, kind in STEPS:
+    for name, kind in COMPILE_STEPS if case.startswith("compile") else STEPS:
       key = f"{name} / {kind}"
       b = [r["ratios"][key] for r in runs["base"]]
       w = [r["ratios"][key] for r in runs["work"]]
@@ -273,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
   if len(sys.argv) == 5 and sys.argv[1] == "--child":
-    child(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
+    if sys.argv[2] == "compile":
+      child_compile(int(float(sys.argv[3])))
+    else:
+      child(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
   else:
     sys.exit(main())

@@ -608,7 +608,7 @@ def compare(data: dict, source: str) -> list[str]:
     b, w = _field(r, "base_median"), _field(r, "work_median")
     rows.append(
       [
-        _field(r, "case").replace("e+0", "e"),
+        _field(r, "case"),
         _field(r, "step"),
         f"{_x(b)} ({min(base):.2f}-{max(base):.2f})",
         f"{_x(w)} ({min(work):.2f}-{max(work):.2f})",

@@ -245,16 +245,8 @@ def main(argv=None):
   if not 0 < args.params <= 5e9:
     ap.error(f"--params must be in (0, 5e9], got {args.params}")
 
-  shapes = _bench.transformer_shapes(args.params, args.layers)
-  key = jax.random.key(0)
-  params = {
-    k: (0.02 * jax.random.normal(jax.random.fold_in(key, i), s)).astype(dtype)
-    for i, (k, s) in enumerate(shapes.items())
-  }
-  grads32 = {
-    k: 1e-3 * jax.random.normal(jax.random.fold_in(key, 10**6 + i), s, jnp.float32)
-    for i, (k, s) in enumerate(shapes.items())
-  }
+  params, grads32 = _bench.gpt_tree(args.params, dtype, args.layers)
+  shapes = {k: x.shape for k, x in params.items()}
   grads = jax.tree.map(lambda g: g.astype(dtype), grads32)
   scaled = jax.tree.map(lambda g: (g * SCALE).astype(dtype), grads32)
 

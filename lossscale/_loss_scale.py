@@ -590,7 +590,10 @@ def _wrap(
       k: unscaled(v) if k in GRADIENT_EXTRA_ARGS else v for k, v in extra_args.items()
     }
     # Widened where they are used: taken from outside `lax.cond`, the float32
-    # params would be written out as one of its operands.
+    # params would be written out as one of its operands (in-process A/B,
+    # XLA:CPU, jaxlib 0.12.0.1, 10M bfloat16 AdamW: tx.update + apply_updates
+    # 1.14x of bare widened here, 1.34x widened outside; apply_gradients
+    # 0.73x and 0.76x).
     inner_params = _widen(params) if widened else params
     widened_state = _widen(inner_state) if widened else inner_state
     new_updates, new_state = inner.update(
@@ -721,7 +724,9 @@ def _wrap(
       else:
         # State stored narrower than it is computed (bfloat16 moments) is
         # written in a second conditional, after the updates are out
-        # (`read_after`), in place: in the first, XLA would copy it.
+        # (`read_after`), in place: in the first, XLA would copy it
+        # (in-process A/B, XLA:CPU, jaxlib 0.12.0.1, 10M bfloat16 AdamW:
+        # tx.update + apply_updates 1.14x of bare, 1.51x in one conditional).
         # The inner optimizer's second call reuses its trace, and XLA keeps
         # of each call only what its conditional returns.
         new_updates = _axes.cond(

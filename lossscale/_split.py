@@ -49,6 +49,9 @@ from lossscale import _compat
 
 # Outputs per conditional: small enough that XLA's passes stay linear,
 # large enough that a step of a few leaves is one conditional, as before.
+# For compile time; it costs no step time (in-process A/B, XLA:CPU, jaxlib
+# 0.12.0.1, 25M float32 AdamW, 148 leaves: apply_gradients 1.16x of bare at
+# 96 outputs, 1.20x as one conditional, 1.19x at 32).
 _OUTPUTS = 96
 
 # Primitives cheap enough to recompute: elementwise arithmetic, reductions
