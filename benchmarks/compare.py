@@ -273,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"base": tmp, "work": ROOT}
     results: dict = {}
     for dtype, n in cases:
+      label = f"{dtype}, {n / 1e6:g}M params"
+      if dtype == "compile":
+        label = f"compile, {n:g} leaves"
       runs: dict[str, list[dict]] = {"base": [], "work": []}
       for r in range(args.repeats):
         order = ("base", "work") if r % 2 == 0 else ("work", "base")
@@ -280,13 +283,10 @@ def main(argv: list[str] | None = None) -> int:
           out = _run(trees[which], dtype, n, args.rounds)
           runs[which].append(out)
           print(
-            f"{dtype} {n / 1e6:g}M {which} #{r + 1}: bare {out['bare_ms']:.1f} ms, "
+            f"{label}, {which} #{r + 1}: bare {out['bare_ms']:.1f} ms, "
             + ", ".join(f"{k} {v:.2f}x" for k, v in out["ratios"].items() if v != 1),
             flush=True,
           )
-      label = f"{dtype}, {n / 1e6:g}M params"
-      if dtype == "compile":
-        label = f"compile, {n:g} leaves"
       results[label] = runs
 
   slower = []
