@@ -200,9 +200,7 @@ def _archive(ref: str, dest: str) -> None:
 
 
 def _run(tree: str, dtype: str, n: float, rounds: int) -> dict:
-  env = dict(
-    os.environ, PYTHONPATH=tree, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu")
-  )
+  env = dict(os.environ, PYTHONPATH=tree)
   cmd = [
     sys.executable,
     os.path.abspath(__file__),
@@ -231,12 +229,17 @@ def _rev(ref: str) -> str:
   ).stdout.strip()
 
 
-def _commit() -> str:
-  """The working tree's commit, "+dirty" when lossscale/ differs from it."""
-  dirty = subprocess.run(
-    ["git", "-C", ROOT, "diff", "--quiet", "HEAD", "--", "lossscale"]
-  )
-  return _rev("HEAD") + ("+dirty" if dirty.returncode else "")
+def _commit() -> str | None:
+  """The working tree's commit, "+dirty" when lossscale/ differs from it;
+  None outside a git checkout."""
+  try:
+    dirty = subprocess.run(
+      ["git", "-C", ROOT, "diff", "--quiet", "HEAD", "--", "lossscale"],
+      capture_output=True,
+    )
+    return _rev("HEAD") + ("+dirty" if dirty.returncode else "")
+  except (OSError, subprocess.CalledProcessError):
+    return None
 
 
 def _half_range(xs: list[float]) -> float:
@@ -246,6 +249,12 @@ def _half_range(xs: list[float]) -> float:
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--base", required=True, help="a git ref (commit, tag, branch)")
+  ap.add_argument(
+    "--base-tree",
+    default=None,
+    help="a folder holding BASE's lossscale/ already (where there is no git"
+    " history, such as a copy of the working tree on another machine)",
+  )
   ap.add_argument("--repeats", type=int, default=3, help="processes per tree and case")
   ap.add_argument("--rounds", type=int, default=15, help="timed rounds per process")
   ap.add_argument(
@@ -269,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     cases.append((dtype, float(n)))
 
   with tempfile.TemporaryDirectory() as tmp:
-    _archive(args.base, tmp)
+    if args.base_tree:
+      tmp = os.path.abspath(args.base_tree)
+    else:
+      _archive(args.base, tmp)
     trees = {"base": tmp, "work": ROOT}
     results: dict = {}
     for dtype, n in cases:
@@ -327,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = dict(
       benchmark="compare",
       base=args.base,
-      base_commit=_rev(args.base),
+      base_commit=args.base if args.base_tree else _rev(args.base),
       environment=environment,
       repeats=args.repeats,
       rounds=args.rounds,

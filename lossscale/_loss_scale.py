@@ -696,7 +696,7 @@ def _wrap(
       # after the updates in a second call (`read_after`): not when it has
       # effects (`jax.debug.print`, callbacks), which would run twice.
       closed, out = jax.make_jaxpr(traced, return_shape=True)()
-      return out, widened and not closed.effects
+      return out, widened and not closed.effects and _compat.order_narrow_writes()
 
     if given is None:  # decide only
       skipped = LossScaleState(
