@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -417,6 +417,7 @@ def _python_number_without_gradient(grads: Any, params: Any) -> tuple[str, Any] 
   None (what `value_and_grad` gives it outside `jax.jit`), or None."""
   is_none = lambda x: x is None
   g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=is_none)
+  g_def = cast(Any, g_def)  # see `_like`
   p_leaves, _ = jax.tree_util.tree_flatten_with_path(params)
   if g_def != jax.tree.structure(params) or len(g_leaves) != len(p_leaves):
     return None
