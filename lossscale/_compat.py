@@ -77,6 +77,13 @@ def _jaxlib_version() -> tuple[int, ...]:
 ORDER_FUSED_WRITES = _jaxlib_version() >= (0, 9, 1)
 
 
+def staging() -> bool:
+  """Whether the caller runs inside a trace that stages operations out
+  (`jax.jit`, `lax.cond`'s branches, `make_jaxpr`), rather than eagerly or
+  under an eager `jax.vmap`: there even a constant is a tracer."""
+  return isinstance(jnp.zeros((), jnp.bool_), jax.core.Tracer)
+
+
 def order_narrow_writes() -> bool:
   """Whether a step writes bfloat16 optimizer state after the new parameters
   (`_loss_scale.read_after`), in place: on XLA:CPU, where it is faster in

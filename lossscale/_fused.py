@@ -86,10 +86,11 @@ def _decide(tx, grads, opt_state, params, extra_args) -> Decision:
 def _apply_updates(params: Any, updates: Any) -> Any:
   """`optax.apply_updates`, except that a parameter whose update is `float0`
   (what `jax.grad(..., allow_int=True)` gives an integer parameter, passed
-  through by `optax.masked`) is kept as it is."""
+  through by `optax.masked`) or None (what `value_and_grad` gives it) is
+  kept as it is."""
 
   def leaf(p: Any, u: Any) -> Any:
-    if getattr(u, "dtype", None) == jax.dtypes.float0:
+    if u is None or getattr(u, "dtype", None) == jax.dtypes.float0:
       return p
     return optax.apply_updates(p, u)
 

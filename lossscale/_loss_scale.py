@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple, cast
 
@@ -46,6 +47,7 @@ from lossscale import _axes, _compat, _once, _validation
 from lossscale._finite import (
   all_finite_times,
   compute_dtype,
+  is_array,
   is_inexact,
   numbers_as_arrays,
   scale_leaf,
@@ -385,11 +387,27 @@ def _gradients_tree_in(params: Any, grads: Any) -> Any:
   """`params`, or the first subtree of it with the gradients' structure
   (`optax.lookahead`'s `LookaheadParams(fast, slow)` holds two), or None."""
   g_def: Any = jax.tree.structure(grads)  # Any: see `_like`
-  if g_def == jax.tree.structure(params):
+  if g_def == jax.tree.structure(params) or _none_for_integers(grads, params):
     return params
   like = lambda x: x is not params and jax.tree.structure(x) == g_def
   subtrees = [x for x in jax.tree.leaves(params, is_leaf=like) if like(x)]
   return subtrees[0] if subtrees else None
+
+
+def _is_none(x: Any) -> bool:
+  return x is None
+
+
+def _none_for_integers(grads: Any, params: Any) -> bool:
+  """Whether `grads` is `params`' tree with None at some integer or boolean
+  leaves (what `value_and_grad` gives them), and nowhere else."""
+  g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=_is_none)
+  p_leaves, p_def = jax.tree_util.tree_flatten(params)
+  g_def = cast(Any, g_def)  # see `_like`
+  if g_def != p_def or len(g_leaves) != len(p_leaves):
+    return False
+  nones = [p for g, p in zip(g_leaves, p_leaves, strict=True) if g is None]
+  return bool(nones) and all(is_array(p) and not is_inexact(p) for p in nones)
 
 
 def _structure_mismatch(fn: str, grads: Any, params: Any) -> str:
@@ -430,9 +448,10 @@ def _python_number_without_gradient(grads: Any, params: Any) -> tuple[str, Any] 
 def _shape_pairs(grads: Any, params: Any) -> Iterator[tuple[str, Any, Any]]:
   """`(where, gradient shape, parameter shape)` for each pair of leaves that
   both have a shape."""
+  # None leaves count as leaves (a None gradient of an integer parameter).
   for (path, g), p in zip(
-    jax.tree_util.tree_leaves_with_path(grads),
-    jax.tree_util.tree_leaves(params),
+    jax.tree_util.tree_leaves_with_path(grads, is_leaf=_is_none),
+    jax.tree_util.tree_leaves(params, is_leaf=_is_none),
     strict=True,
   ):
     g_shape, p_shape = getattr(g, "shape", None), getattr(p, "shape", None)
@@ -503,7 +522,15 @@ def _check_gradients(
 
 
 def _keeps_types(new: Any, old: Any) -> bool:
-  """Whether `new` has `old`'s tree structure and leaf shapes."""
+  """Whether `new` has `old`'s tree structure and leaf shapes (a None in
+  `new` standing for an integer leaf of `old`, as `optax.masked` passes a
+  None gradient through)."""
+  if _none_for_integers(new, old):
+    pairs = zip(
+      jax.tree.leaves(new, is_leaf=_is_none), jax.tree.leaves(old), strict=True
+    )
+    kept = [(n, o) for n, o in pairs if n is not None]
+    new, old = [n for n, _ in kept], [o for _, o in kept]
   new_def: Any = jax.tree.structure(new)  # Any: see `_like`
   if new_def != jax.tree.structure(old):
     return False
@@ -609,10 +636,27 @@ def _wrap(
     return new_updates, _like(new_state, inner_state)
 
   # Traced once per step however often a step asks for it (lossscale/_once.py):
-  # for the output shapes, in a conditional, for the state in a second call.
-  # `enabled=False` calls `inner` as it is, to be exactly it; outside any
-  # trace, `inner` runs op by op, as it does bare.
-  run_traced = _once.once(run_apply) if rule.enabled else run_apply
+  # for the output shapes, in a conditional, for the state in a second call
+  # (`apply_gradients`' passes find the step by its gradients, which the
+  # `Decision` carries). A new step traces `inner` anew, as a new `jax.jit`
+  # of the bare optimizer does, so Python state it reads (a learning rate
+  # changed between two jitted steps) is read anew. `enabled=False` calls
+  # `inner` as it is, to be exactly it; outside any staged trace, `inner`
+  # runs op by op, as it does bare. Output shapes alone, for eager steps,
+  # come from one trace per argument types.
+  step_traces: list[Any] = [None, None]  # a weak reference to the step's key, its trace
+  shapes_traced = _once.once(run_apply) if rule.enabled else run_apply
+
+  def traced_for(updates: Any) -> Any:
+    if not rule.enabled:
+      return run_apply
+    arrays = [x for x in jax.tree_util.tree_leaves(updates) if is_array(x)]
+    key = arrays[0] if arrays else None
+    ref, traced = step_traces
+    if traced is None or key is None or ref is None or ref() is not key:
+      traced = _once.once(run_apply)
+      step_traces[:] = [None if key is None else weakref.ref(key), traced]
+    return traced
 
   def init_fn(params):
     # float16 optimizer state underflows (docs/how-it-works.md): float16
@@ -661,7 +705,10 @@ def _wrap(
     # steps, is read on every step; nothing is compiled after the first
     # step).
     eager = not isinstance(finite, jax.core.Tracer)
-    run = run_apply if eager else run_traced
+    # Staged (`jax.jit`, a conditional, `make_jaxpr`): one trace per step.
+    # Not staged but batched (an eager `jax.vmap` with a flag per member):
+    # op by op too, the conditional's branches traced anew on each call.
+    run = traced_for(updates) if _compat.staging() else run_apply
 
     # Half-precision gradients are unscaled in float32; the inner optimizer
     # then runs in float32 throughout (its state and the params widened too:
@@ -685,9 +732,10 @@ def _wrap(
     def apply(inner_state=state.inner_state, run=run):
       return run(updates, scaling, finite, inner_state, params, extra_args, widened)
 
-    # Output shapes from the traced step, cached by argument types, eager or
-    # not: an eager step calls `inner` once, to run it.
-    traced = functools.partial(apply, run=run_traced)
+    # Output shapes from the step's trace when staged; otherwise from one
+    # trace per argument types, so that an eager step calls `inner` once,
+    # to run it.
+    traced = functools.partial(apply, run=shapes_traced if run is run_apply else run)
 
     if rule.enabled and params is not None:
       _check_gradients(fn, updates, params, state.inner_state, apply)

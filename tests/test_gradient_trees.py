@@ -361,6 +361,28 @@ def test_python_float_leaves_are_unscaled_eagerly_as_under_jit():
     np.testing.assert_array_equal(new_params["b"], 0.0)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_integer_parameter_with_a_none_gradient_is_kept(jit):
+  # `value_and_grad` gives an integer parameter None; `optax.masked` passes it
+  # through, as bare: the wrapper takes those gradients, and `apply_gradients`
+  # keeps the parameter as it is.
+  params = {"w": jnp.ones(2), "step": jnp.int32(3)}
+  inner = optax.masked(optax.sgd(0.5), {"w": True, "step": False})
+  tx = ls.dynamic_loss_scale(inner, initial_scale=4.0)
+  state = tx.init(params)
+  _, grads = ls.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(state, params)
+  assert grads["step"] is None
+  update = jax.jit(tx.update) if jit else tx.update
+  fused = jax.jit(ls.apply_gradients, static_argnums=0) if jit else ls.apply_gradients
+  updates, _ = update(grads, state, params)
+  want, _ = inner.update({"w": jnp.full(2, 2.0), "step": None}, inner.init(params))
+  assert updates["step"] is None
+  np.testing.assert_array_equal(updates["w"], want["w"])
+  new_params, _ = fused(tx, grads, state, params)
+  assert int(new_params["step"]) == 3 and new_params["step"].dtype == jnp.int32
+  np.testing.assert_array_equal(new_params["w"], params["w"] + want["w"])
+
+
 def test_a_python_float_parameter_outside_jit_gets_an_error_that_names_it():
   # Under `jax.jit` a Python float parameter arrives as an array and is
   # differentiated; eagerly `value_and_grad` gives it None (array leaves only,

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -208,3 +209,33 @@ def test_eager_steps_read_the_inner_optimizers_python_state_every_step(name, fus
         want = optax.apply_updates(want, u)
       assert_trees_close(params, want)
   assert float(want["b"][0]) != float(_params()["b"][0])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["update", "apply_gradients"])
+@pytest.mark.parametrize("how", ["fresh jit", "eager vmap"])
+def test_each_step_traces_the_inner_optimizer_anew(how, fused):
+  # One wrapper, a learning rate held in Python and changed between steps:
+  # a new `jax.jit` of the step (or an eager `jax.vmap`, whose flag is per
+  # member) reads the new value, as the bare optimizer does; a step's passes
+  # share one trace, steps do not.
+  lr = {"now": 0.1}
+  tx = ls.dynamic_loss_scale(optax.sgd(lambda count: lr["now"]), initial_scale=1.0)
+  params = {"w": jnp.zeros(3)}
+  grads = {"w": jnp.ones(3)}
+
+  def step(g, s, p):
+    if fused:
+      return ls.apply_gradients(tx, g, s, p)[0]["w"]
+    return optax.apply_updates(p, tx.update(g, s, p)[0])["w"]
+
+  got = []
+  for now in (0.1, 0.5, 2.0):
+    lr["now"] = now
+    if how == "fresh jit":  # a new function: JAX caches traces by function
+      out = jax.jit(lambda g, s, p: step(g, s, p))(grads, tx.init(params), params)
+    else:
+      stacked = jax.tree.map(lambda x: jnp.stack([x, x]), (grads, params))
+      states = jax.vmap(tx.init)(stacked[1])
+      out = jax.vmap(step)(stacked[0], states, stacked[1])[0]
+    got.append(float(out[0]))
+  np.testing.assert_allclose(got, [-0.1, -0.5, -2.0])
