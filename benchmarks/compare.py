@@ -50,6 +50,27 @@ COMPILE_STEPS = (
 )
 
 
+def _report(bare_seconds: float, ratios: dict[str, float]) -> None:
+  """Prints a child's result: one JSON line, read by `_run`."""
+  import _bench
+
+  import lossscale as ls
+
+  environment = _bench.environment()
+  print(
+    json.dumps(
+      {
+        "lossscale": os.path.dirname(os.path.abspath(ls.__file__)),
+        "environment": {
+          k: v for k, v in environment.items() if k not in ("lossscale", "commit")
+        },
+        "bare_ms": bare_seconds * 1e3,
+        "ratios": ratios,
+      }
+    )
+  )
+
+
 def child_compile(n_leaves: int) -> None:
   """Trace + compile time (CPU seconds of this process) of each step on a
   tree of `n_leaves` leaves of 64 float32, as a ratio to the bare step's;
@@ -57,7 +78,6 @@ def child_compile(n_leaves: int) -> None:
   sys.path.insert(0, HERE)
   import time
 
-  import _bench
   import jax
   import jax.numpy as jnp
   import optax
@@ -100,20 +120,7 @@ def child_compile(n_leaves: int) -> None:
       jax.jit(step, donate_argnums=(0, 1)).lower(params, state, params).compile()
       seconds[name] = time.process_time() - t
   base = seconds["bare adamw / compile"]
-  print(
-    json.dumps(
-      {
-        "lossscale": os.path.dirname(os.path.abspath(ls.__file__)),
-        "environment": {
-          k: v
-          for k, v in _bench.environment().items()
-          if k not in ("lossscale", "commit")
-        },
-        "bare_ms": base * 1e3,
-        "ratios": {k: v / base for k, v in seconds.items()},
-      }
-    )
-  )
+  _report(base, {k: v / base for k, v in seconds.items()})
 
 
 def child(dtype_name: str, n_params: float, rounds: int) -> None:
@@ -173,21 +180,7 @@ def child(dtype_name: str, n_params: float, rounds: int) -> None:
     runners[name] = run
   medians = _bench.interleaved_medians(runners, rounds)
   base = medians[("bare adamw", "finite")]
-  print(
-    json.dumps(
-      {
-        "lossscale": os.path.dirname(os.path.abspath(ls.__file__)),
-        "environment": {
-          k: v
-          for k, v in _bench.environment().items()
-          if k not in ("lossscale", "commit")
-        },
-        "jax": jax.__version__,
-        "bare_ms": base * 1e3,
-        "ratios": {f"{n} / {c}": t / base for (n, c), t in medians.items()},
-      }
-    )
-  )
+  _report(base, {f"{n} / {c}": t / base for (n, c), t in medians.items()})
 
 
 def _archive(ref: str, dest: str) -> None:
