@@ -398,16 +398,27 @@ def _is_none(x: Any) -> bool:
   return x is None
 
 
+def _params_without_gradient(grads: Any, params: Any) -> list[tuple[str, Any]] | None:
+  """`(where, parameter)` for each leaf of `params` whose gradient is None,
+  when `grads` is `params`' tree with None at some leaves (what
+  `value_and_grad` gives non-array and integer parameters), else None."""
+  g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=_is_none)
+  p_leaves, p_def = jax.tree_util.tree_flatten_with_path(params)
+  g_def = cast(Any, g_def)  # see `_like`
+  if g_def != p_def or len(g_leaves) != len(p_leaves):
+    return None
+  return [
+    (jax.tree_util.keystr(path) or "the root", p)
+    for g, (path, p) in zip(g_leaves, p_leaves, strict=True)
+    if g is None
+  ]
+
+
 def _none_for_integers(grads: Any, params: Any) -> bool:
   """Whether `grads` is `params`' tree with None at some integer or boolean
   leaves (what `value_and_grad` gives them), and nowhere else."""
-  g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=_is_none)
-  p_leaves, p_def = jax.tree_util.tree_flatten(params)
-  g_def = cast(Any, g_def)  # see `_like`
-  if g_def != p_def or len(g_leaves) != len(p_leaves):
-    return False
-  nones = [p for g, p in zip(g_leaves, p_leaves, strict=True) if g is None]
-  return bool(nones) and all(is_array(p) and not is_inexact(p) for p in nones)
+  nones = _params_without_gradient(grads, params)
+  return bool(nones) and all(is_array(p) and not is_inexact(p) for _, p in nones or ())
 
 
 def _structure_mismatch(fn: str, grads: Any, params: Any) -> str:
@@ -433,15 +444,9 @@ def _structure_mismatch(fn: str, grads: Any, params: Any) -> str:
 def _python_number_without_gradient(grads: Any, params: Any) -> tuple[str, Any] | None:
   """`(where, value)` of the first Python-number parameter whose gradient is
   None (what `value_and_grad` gives it outside `jax.jit`), or None."""
-  is_none = lambda x: x is None
-  g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=is_none)
-  g_def = cast(Any, g_def)  # see `_like`
-  p_leaves, _ = jax.tree_util.tree_flatten_with_path(params)
-  if g_def != jax.tree.structure(params) or len(g_leaves) != len(p_leaves):
-    return None
-  for g, (path, p) in zip(g_leaves, p_leaves, strict=True):
-    if g is None and isinstance(p, (int, float, complex)) and not isinstance(p, bool):
-      return jax.tree_util.keystr(path) or "the root", p
+  for where, p in _params_without_gradient(grads, params) or ():
+    if isinstance(p, (int, float, complex)) and not isinstance(p, bool):
+      return where, p
   return None
 
 
