@@ -84,6 +84,13 @@ def staging() -> bool:
   return isinstance(jnp.zeros((), jnp.bool_), jax.core.Tracer)
 
 
+def batched(x: Any) -> bool:
+  """Whether `x` is batched by an enclosing `jax.vmap` being traced (JAX
+  names its tracer class `BatchTracer` from 0.4.35 to 0.12; it is not
+  public)."""
+  return any(c.__name__ == "BatchTracer" for c in type(x).__mro__)
+
+
 def order_narrow_writes() -> bool:
   """Whether a step writes bfloat16 optimizer state after the new parameters
   (`_loss_scale.read_after`), in place: on XLA:CPU, where it is faster in

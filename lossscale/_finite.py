@@ -75,12 +75,15 @@ def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
   """`all_finite(tree * factor)`, each leaf multiplied in the wider of
   float32 and its dtype, without writing the products (`factor` None: 1).
 
-  A factor of at most 1 cannot turn a finite element into an infinite one
-  (rounding is monotone), so then the leaves are checked as they are; only
-  a factor above 1 (a loss scale below 1) is multiplied in. The choice is a
-  `lax.cond` on the factor: a reduction with a scalar operand costs XLA:CPU
-  a broadcast of it per leaf shape (docs/performance.md, "The finite
-  check").
+  Small leaves, checked in groups, are multiplied by the factor whatever it
+  is. A large leaf is checked as it is when the factor is at most 1, which
+  cannot turn a finite element into an infinite one (rounding is monotone),
+  and multiplied only when it is above 1 (a loss scale below 1): a
+  reduction with a scalar operand costs XLA:CPU a broadcast of it per leaf
+  shape (docs/performance.md, "The finite check"). The choice is a
+  `lax.cond` on the factor over the large leaves only: over a thousand
+  small leaves it would compile the check twice, for a step time the
+  product does not change.
   """
   leaves = jax.tree_util.tree_leaves(numbers_as_arrays(tree))
   leaves = [x for x in leaves if is_inexact(x)]
@@ -92,47 +95,59 @@ def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
     return jnp.all(
       jnp.stack([jnp.all(jnp.isfinite(_times(x, factor))) for x in leaves])
     )
-  if factor is None:
-    return _all_flags(leaves, None)
-  small = factor <= 1
-  if not isinstance(small, jax.core.Tracer):  # outside any trace: decided here
-    return _all_flags(leaves, None if small else factor)
-  return jax.lax.cond(
-    small, lambda: _all_flags(leaves, None), lambda: _all_flags(leaves, factor)
-  )
+  large = [x for x in leaves if x.size > _OWN_REDUCTION]
+  flags = _group_flags([x for x in leaves if x.size <= _OWN_REDUCTION], factor)
+  if large and factor is None:
+    flags += [_finite_flag(None, x) for x in large]
+  elif large:
+    small = factor <= 1
+    if isinstance(small, jax.core.Tracer):
+      flags.append(
+        jax.lax.cond(
+          small,
+          lambda: _and(_large_flags(large, None)),
+          lambda: _and(_large_flags(large, factor)),
+        )
+      )
+    else:  # outside any trace: decided here
+      flags += _large_flags(large, None if small else factor)
+  return _and(flags)
 
 
-def _all_flags(leaves: list[jax.Array], factor: Any) -> jax.Array:
-  # A float sum of `x - x` (or, with a factor, of `t - t` for `t = x *
-  # factor`) is 0 when every element is finite and NaN otherwise: a
-  # reduction with no temporaries, where `all(isfinite(x))` first writes a
-  # bool array per leaf. One flag per group, joined in a chain of scalar
-  # ands, cheaper to compile than stacking a thousand flags.
-  return functools.reduce(operator.and_, _flags(leaves, factor))
+def _and(flags: list[jax.Array]) -> jax.Array:
+  # A chain of scalar ands, cheaper to compile than stacking a thousand flags.
+  return functools.reduce(operator.and_, flags)
 
 
-def _flags(leaves: list[jax.Array], factor: Any) -> list[jax.Array]:
-  """`_finite_flag(factor, *group)` for each group of leaves: small leaves
-  of one shape and dtype `_GROUP` at a time, large ones alone. Leaves are
-  combined and reduced in their own shapes: flattening a leaf sharded on
-  another than its first dimension makes XLA gather it whole."""
-  flags: list[jax.Array] = []
+def _large_flags(leaves: list[jax.Array], factor: Any) -> list[jax.Array]:
+  # One reduction per leaf: XLA:CPU runs independent reductions side by
+  # side, and one kernel reading several large arrays is slower.
+  return [_finite_flag(factor, x) for x in leaves]
+
+
+def _group_flags(leaves: list[jax.Array], factor: Any) -> list[jax.Array]:
+  """`_finite_flag(factor, *group)` for small leaves of one shape and dtype,
+  `_GROUP` at a time. Leaves are combined and reduced in their own shapes:
+  flattening a leaf sharded on another than its first dimension makes XLA
+  gather it whole."""
   groups: dict[tuple[Any, Any], list[jax.Array]] = {}
   for x in leaves:
-    if x.size > _OWN_REDUCTION:
-      flags.append(_finite_flag(factor, x))
-    else:
-      groups.setdefault((x.shape, x.dtype), []).append(x)
-  for same in groups.values():
-    for i in range(0, len(same), _GROUP):
-      flags.append(_finite_flag(factor, *same[i : i + _GROUP]))
-  return flags
+    groups.setdefault((x.shape, x.dtype), []).append(x)
+  return [
+    _finite_flag(factor, *same[i : i + _GROUP])
+    for same in groups.values()
+    for i in range(0, len(same), _GROUP)
+  ]
 
 
 @functools.partial(jax.jit, inline=True)
 def _finite_flag(factor: Any, *leaves: jax.Array) -> jax.Array:
-  # Jitted: traced once per group signature, not once per leaf, and one
-  # call in the step's jaxpr per group.
+  # A float sum of `x - x` (or, with a factor, of `t - t` for `t = x *
+  # factor`) is 0 when every element is finite and NaN otherwise: a
+  # reduction with no temporaries, where `all(isfinite(x))` first writes a
+  # bool array per leaf. (The largest magnitude would say more, but a
+  # vectorized max on XLA:CPU loses NaNs.) Jitted: traced once per group
+  # signature, not once per leaf, and one call in the step's jaxpr per group.
   xs = list(leaves)
   if factor is not None:
     # In float32 or wider, where the unscaled gradients are computed.
@@ -141,7 +156,7 @@ def _finite_flag(factor: Any, *leaves: jax.Array) -> jax.Array:
     dtype = compute_dtype(xs[0].dtype)
     xs = [x.astype(dtype) * factor.astype(dtype) for x in xs]
   # Without a factor, half-precision leaves are checked in their own dtype:
-  # a conversion in both branches of the check's conditional would be
+  # a conversion in both branches of the large leaves' conditional would be
   # hoisted out of it by XLA, and written out as a float32 copy.
   zeros = functools.reduce(operator.add, [x - x for x in xs])
   return jnp.isfinite(jnp.sum(_real(zeros)))

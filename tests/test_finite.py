@@ -115,6 +115,25 @@ def test_all_finite_reduces_small_leaves_together():
   assert primitive_count(jaxpr, "reshape") == 0
 
 
+def test_only_large_leaves_are_checked_behind_a_conditional_on_the_factor():
+  # A factor of at most 1 checks a large leaf as it is (the cheaper
+  # reduction); small leaves take the factor whatever it is, so that a
+  # thousand of them are not compiled twice, once in each branch.
+  from lossscale._finite import all_finite_times
+
+  small = {f"s{i:03d}": jnp.ones(64) for i in range(100)}
+  jaxpr = jax.make_jaxpr(all_finite_times)(small, jnp.float32(0.5))
+  assert primitive_count(jaxpr, "cond") == 0
+  large = dict(small, big=jnp.ones(70_000), other=jnp.ones((300, 300)))
+  jaxpr = jax.make_jaxpr(all_finite_times)(large, jnp.float32(0.5))
+  (cond,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "cond"]
+  # Its operands: the two large leaves and the factor, no small leaf.
+  assert sorted(v.aval.size for v in cond.invars[1:]) == [1, 70_000, 90_000]
+  # Outside any trace the branch is chosen in Python.
+  assert bool(all_finite_times(large, jnp.float32(0.5)))
+  assert not bool(all_finite_times(dict(large, big=jnp.full(70_000, 3e38)), 2.0))
+
+
 @pytest.mark.parametrize("size", [8, 100_000])  # grouped, and reduced alone
 def test_check_of_the_unscaled_gradients_is_exact_at_the_float32_range(size):
   from lossscale._finite import all_finite_times
