@@ -98,8 +98,8 @@ def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
   large = [x for x in leaves if x.size > _OWN_REDUCTION]
   flags = _group_flags([x for x in leaves if x.size <= _OWN_REDUCTION], factor)
   if large and factor is None:
-    flags += [_finite_flag(None, x) for x in large]
-  elif large:
+    flags += _large_flags(large, None)
+  elif large and factor is not None:
     small = factor <= 1
     if isinstance(small, jax.core.Tracer):
       flags.append(

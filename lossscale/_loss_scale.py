@@ -492,6 +492,22 @@ def _leading_dims_at(grads: Any, params: Any) -> str | None:
   return None
 
 
+def _calls_out(jaxpr: Any) -> bool:
+  """Whether `jaxpr` (nested calls and branches included) hands values to
+  code outside the computation: a callback (`jax.pure_callback` has no
+  effect) or a foreign function or custom call."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if "callback" in name or name in ("ffi_call", "custom_call"):
+      return True
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns") and _calls_out(sub):
+          return True
+  return False
+
+
 def _check_gradients(
   fn: str, grads: Any, params: Any, inner_state: Any, apply: Any
 ) -> None:
@@ -621,10 +637,11 @@ def _wrap(
         # float16 parameters: `inner` runs in float32 on its float32 state.
         return _widen(tree) if widened else tree
       # The step runs only on finite gradients, except under `jax.vmap` with
-      # a flag per member, where both branches run: then (`zero`) the inner
-      # optimizer sees zeros in place of a bad member's gradients, never inf
-      # or NaN (a select, not a multiply). Only then: a select per leaf cost
-      # an AdamW step of 2000 leaves a tenth of its compile time.
+      # a flag per member, where both branches run: there, where it can be
+      # seen (`zero`, below), the inner optimizer is fed zeros in place of a
+      # bad member's gradients, never inf or NaN (a select, not a multiply).
+      # Only there: a select per leaf cost an AdamW step of 2000 leaves a
+      # tenth of its compile time.
       return _unscale(tree, scaling, zero_unless=finite if zero else None)
 
     extra = {
@@ -743,10 +760,12 @@ def _wrap(
       scaling = float(scale) if eager else scale
 
     # Zeros for a bad member's gradients where both branches of the step's
-    # conditional run and something could see them: under `jax.vmap` being
-    # traced (the flag batched), and where the inner optimizer has effects
-    # (callbacks), which a `jax.vmap` of the jitted step could run on them.
-    # Elsewhere what a discarded branch computes is never seen.
+    # conditional run and something could see them: under a `jax.vmap`
+    # being traced (the flag batched), and wherever the inner optimizer
+    # hands values out of the computation (effects, callbacks, foreign
+    # calls), since a `jax.vmap` around a traced step (`jax.jit`,
+    # `lax.scan`) batches the conditional without the flag being batched
+    # here. Elsewhere what a discarded branch computes is never seen.
     # (`is not False`: a `tx.update` under its own `jax.jit` hands the
     # decision's flags back as arrays; then the zeros are kept.)
     zero = [
@@ -772,7 +791,7 @@ def _wrap(
       # after the updates in a second call (`read_after`): not when it has
       # effects (`jax.debug.print`, callbacks), which would run twice.
       closed, out = jax.make_jaxpr(traced, return_shape=True)()
-      if closed.effects and not zero[0]:
+      if not zero[0] and (closed.effects or _calls_out(closed.jaxpr)):
         zero[0] = True  # the step is traced again, with the zeros
       return out, widened and not closed.effects and _compat.order_narrow_writes()
 

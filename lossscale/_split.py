@@ -33,7 +33,8 @@ takes the same predicate and runs the same operations on the same values.
 A step with effects (`jax.debug.print`, callbacks), whose order this would
 change, runs as one `lax.cond`, and so does a step of at most `_OUTPUTS`
 outputs, or one traced under `jax.debug_nans` (a skipped step's hoisted
-scalars come from zeroed gradients: a norm of 0, divided by, is NaN).
+scalars are computed too, from its gradients: a norm of inf, or of the
+zeros a batched step feeds, divided by, makes a NaN).
 """
 
 from __future__ import annotations
@@ -479,8 +480,9 @@ def cond(
     true_closed.effects
     or false_closed.effects
     or len(leaves) <= _OUTPUTS
-    # Hoisted scalars are computed on a skipped step too, from zeroed
-    # gradients (a norm of 0, divided by): no NaN for `jax.debug_nans`.
+    # Hoisted scalars are computed on a skipped step too, from its
+    # gradients (a norm of inf or 0, divided by): no NaN for
+    # `jax.debug_nans`.
     or jax.debug_nans.value
   ):
     # One conditional, on the jaxprs just traced (no second Python trace);

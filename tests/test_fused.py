@@ -280,6 +280,42 @@ def _array_selects(jaxpr) -> int:
   return count
 
 
+def test_a_host_callback_in_the_inner_optimizer_never_sees_nonfinite_values():
+  # `jax.pure_callback` has no effect, and a `jax.vmap` around a `lax.scan` of
+  # steps batches the step's conditional without the wrapper seeing a batched
+  # flag: the callback alone tells it to feed zeros to a bad member.
+  seen = []
+
+  def host(g):
+    seen.append(np.asarray(g))
+    return np.asarray(g)
+
+  def update(u, state, params=None):
+    del params
+    shape = jax.ShapeDtypeStruct(u.shape, u.dtype)
+    return jax.pure_callback(host, shape, u, vmap_method="sequential"), state
+
+  tx = ls.dynamic_loss_scale(
+    optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+  )
+
+  def train(grads_seq, state, params):
+    def body(carry, g):
+      params, state = carry
+      return ls.apply_gradients(tx, g, state, params), None
+
+    return jax.lax.scan(body, (params, state), grads_seq)[0]
+
+  params = jnp.zeros((2, 3))
+  grads = jnp.array([[[1.0, INF, 2.0], [1.0, 1.0, 1.0]], [[3.0, 1.0, 2.0]] * 2])
+  p, s = jax.jit(jax.vmap(train))(grads, jax.vmap(tx.init)(params), params)
+  # Member 0: its first step skipped (the scale backed off to 2**14), the
+  # second applied (the identity's update: the unscaled gradients).
+  np.testing.assert_array_equal(p[0], np.full(3, 2.0**-14, np.float32))
+  assert seen and all(np.all(np.isfinite(x)) for x in seen)
+  np.testing.assert_array_equal(s.skipped_steps, [1, 0])
+
+
 def test_inner_optimizer_sees_zeros_for_a_bad_member_only_where_both_branches_run():
   # Under vmap with a flag per member both branches of the step's conditional
   # run: the inner optimizer then sees zeros for a bad member's gradients (its
