@@ -287,3 +287,17 @@ def primitive_count(closed_jaxpr, name):
     if eqn.primitive.name in ("pjit", "jit") and inner is not None:
       count += primitive_count(inner, name)
   return count
+
+
+def recording_wrapper():
+  """`(tx, seen)`: a `dynamic_loss_scale` of an identity-like inner optimizer
+  whose `jax.debug.callback` appends every gradient it is fed to `seen`."""
+  seen = []
+
+  def record(updates, state, params=None):
+    del params
+    jax.debug.callback(lambda g: seen.append(np.asarray(g)), updates)
+    return updates, state
+
+  inner = optax.GradientTransformation(lambda p: optax.EmptyState(), record)
+  return ls.dynamic_loss_scale(inner), seen

@@ -20,6 +20,7 @@ from _helpers import (
   bytes_accessed,
   collectives,
   make_mesh,
+  recording_wrapper,
   standard_promotion,
 )
 
@@ -321,16 +322,7 @@ def test_inner_optimizer_sees_zeros_for_a_bad_member_only_where_both_branches_ru
   # run: the inner optimizer then sees zeros for a bad member's gradients (its
   # callbacks would see them), and only then: a select per leaf costs compile
   # time, and where one branch runs nothing can see what the other computes.
-  seen = []
-
-  def record(updates, state, params=None):
-    del params
-    jax.debug.callback(lambda g: seen.append(np.asarray(g)), updates)
-    return updates, state
-
-  tx = ls.dynamic_loss_scale(
-    optax.GradientTransformation(lambda p: optax.EmptyState(), record)
-  )
+  tx, seen = recording_wrapper()
   params = jnp.zeros((2, 3))
   states = jax.vmap(tx.init)(params)
   grads = jnp.array([[1.0, INF, 2.0], [3.0, 1.0, 2.0]])

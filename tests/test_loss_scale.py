@@ -26,6 +26,7 @@ from _helpers import (
   ScaleRule,
   assert_trees_close,
   assert_trees_equal,
+  recording_wrapper,
   reference_rule,
   reference_scales,
   scale_history,
@@ -499,16 +500,7 @@ def test_hundred_nonfinite_steps_never_change_params():
 
 
 def test_inner_optimizer_never_sees_nonfinite_values():
-  seen = []
-
-  def record(updates, state, params=None):
-    del params
-    jax.debug.callback(lambda g: seen.append(np.asarray(g)), updates)
-    return updates, state
-
-  tx = ls.dynamic_loss_scale(
-    optax.GradientTransformation(lambda p: optax.EmptyState(), record)
-  )
+  tx, seen = recording_wrapper()
   state = tx.init(jnp.zeros(3))
   update = jax.jit(tx.update)
   update(jnp.array([1.0, INF, 2.0]), state)
