@@ -14,6 +14,16 @@ Times are the process's CPU time (`time.process_time`), which another
 process on the machine disturbs much less than wall time; wall time is
 recorded too.
 
+Then the contract's comparison, repeated: at `--target-leaves` (2000),
+the bare step, `apply_gradients` and `tx.update` + `apply_updates`,
+`--rounds` times, the order of the three rotated from round to round. In
+one process, a step traced later pays more: Python's garbage collector
+scans every object the earlier steps left alive, and XLA compiles a module
+more slowly the second time than the first. The sweep above always
+compiles the bare step first; the rounds give each step every place in the
+order, and report the median of the per-round ratios to the bare step and
+their range.
+
 Then the eager steps: the same variants called without `jax.jit` on a
 small tree, median time per step after the first call, and the number of
 XLA compilations after the first call.
@@ -80,34 +90,69 @@ def _variants(adam):
   }
 
 
+def _params(n_leaves: int) -> dict[str, jax.Array]:
+  return {f"l{i:05d}": jnp.zeros((64,), jnp.float32) for i in range(n_leaves)}
+
+
+def _compile_one(name: str, params, init, step) -> dict[str, float]:
+  state = init(params)
+  jitted = jax.jit(step, donate_argnums=(0, 1))
+  with jax.numpy_dtype_promotion("standard"):  # optax's adam
+    w0, c0 = time.perf_counter(), time.process_time()
+    traced = jitted.trace(params, state, params)
+    c1 = time.process_time()
+    lowered = traced.lower()
+    c2 = time.process_time()
+    compiled = lowered.compile()
+    w3, c3 = time.perf_counter(), time.process_time()
+  n_leaves = len(jax.tree_util.tree_leaves(params))
+  print(
+    f"{n_leaves:5d} leaves  {name:40s} trace {c1 - c0:6.2f} s  lower"
+    f" {c2 - c1:6.2f} s  compile {c3 - c2:7.2f} s  (CPU; wall {w3 - w0:.1f} s)",
+    flush=True,
+  )
+  return dict(
+    trace_s=c1 - c0,
+    lower_s=c2 - c1,
+    compile_s=c3 - c2,
+    total_s=c3 - c0,
+    wall_s=w3 - w0,
+    temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+  )
+
+
 def _compile_times(n_leaves: int, make_variants) -> dict[str, dict[str, float]]:
-  params = {f"l{i:05d}": jnp.zeros((64,), jnp.float32) for i in range(n_leaves)}
-  out = {}
-  for name, (init, step) in make_variants().items():
-    state = init(params)
-    jitted = jax.jit(step, donate_argnums=(0, 1))
-    with jax.numpy_dtype_promotion("standard"):  # optax's adam
-      w0, c0 = time.perf_counter(), time.process_time()
-      traced = jitted.trace(params, state, params)
-      c1 = time.process_time()
-      lowered = traced.lower()
-      c2 = time.process_time()
-      compiled = lowered.compile()
-      w3, c3 = time.perf_counter(), time.process_time()
-    out[name] = dict(
-      trace_s=c1 - c0,
-      lower_s=c2 - c1,
-      compile_s=c3 - c2,
-      total_s=c3 - c0,
-      wall_s=w3 - w0,
-      temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+  params = _params(n_leaves)
+  return {
+    name: _compile_one(name, params, init, step)
+    for name, (init, step) in make_variants().items()
+  }
+
+
+_BARE = "adamw (bare)"
+_ROTATED = (_BARE, "lossscale.apply_gradients", "lossscale: tx.update + apply_updates")
+
+
+def _target_rounds(n_leaves: int, rounds: int, make_variants) -> dict:
+  """Trace + compile of the contract's steps, `rounds` times, the order
+  rotated every round; medians and ranges of the per-round ratios."""
+  params = _params(n_leaves)
+  totals: dict[str, list[float]] = {k: [] for k in _ROTATED}
+  for r in range(rounds):
+    order = _ROTATED[r % len(_ROTATED) :] + _ROTATED[: r % len(_ROTATED)]
+    for name in order:
+      init, step = make_variants()[name]  # new wrappers: nothing traced yet
+      totals[name].append(_compile_one(name, params, init, step)["total_s"])
+  steps = {}
+  for name, seconds in totals.items():
+    ratios = [t / b for t, b in zip(seconds, totals[_BARE], strict=True)]
+    steps[name] = dict(
+      total_s=seconds,
+      vs_bare=statistics.median(ratios),
+      vs_bare_min=min(ratios),
+      vs_bare_max=max(ratios),
     )
-    print(
-      f"{n_leaves:5d} leaves  {name:40s} trace {c1 - c0:6.2f} s  lower"
-      f" {c2 - c1:6.2f} s  compile {c3 - c2:7.2f} s  (CPU; wall {w3 - w0:.1f} s)",
-      flush=True,
-    )
-  return out
+  return dict(leaves=n_leaves, rounds=rounds, steps=steps)
 
 
 def _eager(make_variants, rounds: int) -> dict[str, dict[str, float]]:
@@ -172,6 +217,8 @@ def _plot(records, path):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--leaves", default="250,500,1000,2000,4000")
+  ap.add_argument("--target-leaves", type=int, default=2000)
+  ap.add_argument("--rounds", type=int, default=5, help="rounds at --target-leaves")
   ap.add_argument("--eager-rounds", type=int, default=200)
   ap.add_argument("--json", default=None, help="where to write the JSON")
   ap.add_argument("--plot", default=None, help="where to write the plot (PNG)")
@@ -187,6 +234,9 @@ def main(argv=None):
     base = times["adamw (bare)"]["total_s"]
     for name, t in times.items():
       records.append(dict(variant=name, leaves=n, **t, vs_bare=t["total_s"] / base))
+  targets = None
+  if args.rounds:
+    targets = _target_rounds(args.target_leaves, args.rounds, make_variants)
   eager = _eager(make_variants, args.eager_rounds)
 
   rows = []
@@ -235,6 +285,15 @@ def main(argv=None):
       for k, v in eager.items()
     ],
   )
+  if targets is not None:
+    target_table = _bench.markdown_table(
+      [f"at {targets['leaves']} leaves, {targets['rounds']} rounds", "time / bare"],
+      [
+        [k, f"{v['vs_bare']:.2f}x ({v['vs_bare_min']:.2f}-{v['vs_bare_max']:.2f})"]
+        for k, v in targets["steps"].items()
+      ],
+    )
+    eager_table = target_table + "\n\n" + eager_table
   print()
   print(table)
   print()
@@ -244,6 +303,7 @@ def main(argv=None):
     environment=_bench.environment(),
     leaf_shape=[64],
     results=records,
+    targets=targets,
     eager=eager,
   )
   _bench.write_outputs("compile_time", table + "\n\n" + eager_table, payload, args.json)
