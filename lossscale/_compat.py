@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -102,6 +103,19 @@ def order_narrow_writes() -> bool:
   process; `apply_gradients` 1.44x and 1.47x). `apply_gradients` orders
   them from jaxlib 0.9.1 only (`ORDER_FUSED_WRITES`)."""
   return jax.default_backend() == "cpu"
+
+
+def eqns_within(jaxpr: Any) -> Iterator[Any]:
+  """Every equation of `jaxpr` and of the jaxprs nested in its equations'
+  parameters (calls, both branches of a conditional, loop bodies), a
+  `ClosedJaxpr`'s or one held in a tuple included."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          yield from eqns_within(sub)
 
 
 @functools.cache

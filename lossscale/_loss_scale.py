@@ -496,16 +496,11 @@ def _calls_out(jaxpr: Any) -> bool:
   """Whether `jaxpr` (nested calls and branches included) hands values to
   code outside the computation: a callback (`jax.pure_callback` has no
   effect) or a foreign function or custom call."""
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if "callback" in name or name in ("ffi_call", "custom_call"):
-      return True
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-        if hasattr(sub, "eqns") and _calls_out(sub):
-          return True
-  return False
+  return any(
+    "callback" in eqn.primitive.name
+    or eqn.primitive.name in ("ffi_call", "custom_call")
+    for eqn in _compat.eqns_within(jaxpr)
+  )
 
 
 def _check_gradients(

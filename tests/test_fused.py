@@ -23,6 +23,7 @@ from _helpers import (
   recording_wrapper,
   standard_promotion,
 )
+from lossscale._compat import eqns_within
 
 INF, NAN = float("inf"), float("nan")
 
@@ -269,16 +270,10 @@ def test_vmap_members_decide_independently():
 def _array_selects(jaxpr) -> int:
   """How many `select_n` equations, in nested calls and branches too, choose
   between arrays (not scalars)."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "select_n" and eqn.outvars[0].aval.shape:
-      count += 1
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, tuple) else (value,):
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-        if hasattr(sub, "eqns"):
-          count += _array_selects(sub)
-  return count
+  return sum(
+    eqn.primitive.name == "select_n" and bool(eqn.outvars[0].aval.shape)
+    for eqn in eqns_within(jaxpr)
+  )
 
 
 def test_a_host_callback_in_the_inner_optimizer_never_sees_nonfinite_values():
