@@ -188,6 +188,7 @@ def _optimizer_step_what(data: dict) -> str:
     f"{_field(data, 'leaves')} leaves, {parameters / 1e6:.1f}M"
     f" {data.get('dtype', 'float32')} parameters, median of"
     f" {_field(data, 'rounds')} interleaved rounds"
+    + ("" if data.get("donated", True) else ", nothing donated")
   )
 
 
@@ -232,7 +233,8 @@ def optimizer_step(data: dict, source: str) -> list[str]:
 
 
 def optimizer_step_compact(data: dict, source: str) -> list[str]:
-  """`optimizer_step.py`'s time, bytes and temporaries (a `--dtype` run)."""
+  """`optimizer_step.py`'s time, bytes, temporaries and copies (a `--dtype`
+  or `--no-donate` run)."""
   rows = [
     [
       _field(r, "variant"),
@@ -241,10 +243,19 @@ def optimizer_step_compact(data: dict, source: str) -> list[str]:
       _x(_field(r, "time_vs_plain")),
       _x(_field(r, "bytes_vs_plain")),
       f"{_field(r, 'temp_mb'):.1f}",
+      _field(r, "copies"),
     ]
     for r in _records(data)
   ]
-  headers = ["variant", "case", "median ms", "time / plain", "bytes / plain", "temp MB"]
+  headers = [
+    "variant",
+    "case",
+    "median ms",
+    "time / plain",
+    "bytes / plain",
+    "temp MB",
+    "copies",
+  ]
   return [
     _source_line(data, source, _optimizer_step_what(data)),
     "",

@@ -2,13 +2,15 @@
 
 Usage:
   python benchmarks/optimizer_step.py [--params 25e6] [--rounds 15]
-      [--dtype float32] [--json benchmarks/results/optimizer_step_cpu.json]
+      [--dtype float32] [--no-donate]
+      [--json benchmarks/results/optimizer_step_cpu.json]
 
 Every variant is a jitted `step(params, opt_state, grads) -> (params,
-opt_state)` with `donate_argnums=(0, 1)` on a transformer-shaped float32 tree
-(148 leaves). All variants run interleaved in one process, so the ratios to
-the bare `optax.adamw` step are taken under the same machine load. Two
-cases: finite gradients, and an overflow step (one inf in one leaf).
+opt_state)` with `donate_argnums=(0, 1)` (none with `--no-donate`) on a
+transformer-shaped float32 tree (148 leaves). All variants run interleaved
+in one process, so the ratios to the bare `optax.adamw` step are taken
+under the same machine load. Two cases: finite gradients, and an overflow
+step (one inf in one leaf).
 
 Peers: `optax.apply_if_finite` (fed unscaled gradients), jmp's
 `DynamicLossScale` with `jmp.select_tree`, and the unscale / finite / select
@@ -239,6 +241,11 @@ def main(argv=None):
   ap.add_argument(
     "--dtype", default="float32", choices=["float32", "bfloat16", "float16"]
   )
+  ap.add_argument(
+    "--no-donate",
+    action="store_true",
+    help="jit every step without donate_argnums (what not donating costs)",
+  )
   ap.add_argument("--json", default=None, help="where to write the JSON")
   args = ap.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
@@ -283,7 +290,7 @@ def main(argv=None):
     except ImportError as e:  # a peer that is not installed here (jmp on a GPU box)
       print(f"skipped {name}: {e}", flush=True)
       continue
-    jitted = jax.jit(step, donate_argnums=(0, 1))
+    jitted = jax.jit(step, donate_argnums=() if args.no_donate else (0, 1))
     for case in ("finite", "overflow"):
       if name.startswith("adamw") and case == "overflow":
         continue  # no skip logic: the overflow step would write NaNs
@@ -304,7 +311,7 @@ def main(argv=None):
       runners[(name, case)] = run
       print(f"compiled {name} / {case}", flush=True)
 
-  if not args.only and dtype == jnp.float32:
+  if not args.only and dtype == jnp.float32 and not args.no_donate:
     bad = misordered_donation(adam)
     box = [adam.init(params), _bench.fresh_copy(params)]
     with jax.numpy_dtype_promotion("standard"):
@@ -378,6 +385,7 @@ def main(argv=None):
     parameters=n,
     analytic_min_bytes=analytic_min,
     rounds=args.rounds,
+    donated=not args.no_donate,
     results=records,
   )
   _bench.write_outputs("optimizer_step", table, payload, args.json)
