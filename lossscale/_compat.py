@@ -105,17 +105,40 @@ def order_narrow_writes() -> bool:
   return jax.default_backend() == "cpu"
 
 
+def hands_out(closed: Any) -> bool:
+  """Whether the traced computation `closed` (a `ClosedJaxpr`) hands values
+  out of itself: it has effects (`jax.debug.callback`, `jax.debug.print`,
+  `io_callback`; not the mark a collective over a `jax.vmap` axis leaves,
+  which hands nothing out), or calls out, nested calls and branches
+  included (a `jax.pure_callback`, which has no effect, a foreign function,
+  a custom call)."""
+  if any(type(e).__name__ != "NamedAxisEffect" for e in closed.effects):
+    return True
+  names = {eqn.primitive.name for eqn in eqns_within(closed.jaxpr)}
+  return any("callback" in n or n == "ffi_call" or "custom_call" in n for n in names)
+
+
 def eqns_within(jaxpr: Any) -> Iterator[Any]:
   """Every equation of `jaxpr` and of the jaxprs nested in its equations'
   parameters (calls, both branches of a conditional, loop bodies), a
-  `ClosedJaxpr`'s or one held in a tuple included."""
+  `ClosedJaxpr`'s or one held in a tuple included, and those an object
+  parameter holds as attributes (JAX 0.12 binds `lax.custom_root` as a
+  primitive whose one parameter keeps its jaxprs that way)."""
   for eqn in jaxpr.eqns:
     yield eqn
     for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-        if hasattr(sub, "eqns"):
-          yield from eqns_within(sub)
+      for sub in _nested_jaxprs(value):
+        yield from eqns_within(sub)
+
+
+def _nested_jaxprs(value: Any, depth: int = 0) -> Iterator[Any]:
+  for item in value if isinstance(value, (tuple, list)) else (value,):
+    item = getattr(item, "jaxpr", item)  # a ClosedJaxpr's Jaxpr
+    if hasattr(item, "eqns"):
+      yield item
+    elif not depth and hasattr(item, "__dict__"):
+      for attribute in vars(item).values():
+        yield from _nested_jaxprs(attribute, depth + 1)
 
 
 @functools.cache

@@ -21,6 +21,7 @@ the bare step's time.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -179,7 +180,7 @@ def _apply_gradients(tx, grads, opt_state, params, **extra_args):
   # op by op, as the bare optimizer runs eagerly.
   eager = not isinstance(decision.finite, jax.core.Tracer)
 
-  def applied():
+  def applied(decision: Decision = decision) -> tuple[Any, Any]:
     update = lambda state: tx.update(
       grads, state, params, **extra_args, **{DECISION: decision}
     )
@@ -211,6 +212,21 @@ def _apply_gradients(tx, grads, opt_state, params, **extra_args):
 
   if eager:
     return applied() if bool(decision.finite) else skipped()
+  # A transformation chained after the wrapper that hands values out of the
+  # computation (a callback logging the updates) would see what the inner
+  # optimizer made of a bad member's gradients where both branches run (a
+  # `jax.vmap` around this step once traced): then the inner optimizer is
+  # fed zeros there too, and the state is written in one call (a second
+  # would run the callback twice).
+  handed_out = None
+  if decision.zero is False:
+    handed_out = lambda: functools.partial(
+      applied, decision._replace(zero=True, in_order=False)
+    )
   return _axes.cond(
-    decision.finite, applied, skipped, operands=(grads, opt_state, params)
+    decision.finite,
+    applied,
+    skipped,
+    operands=(grads, opt_state, params),
+    if_handed_out=handed_out,
   )

@@ -492,17 +492,6 @@ def _leading_dims_at(grads: Any, params: Any) -> str | None:
   return None
 
 
-def _calls_out(jaxpr: Any) -> bool:
-  """Whether `jaxpr` (nested calls and branches included) hands values to
-  code outside the computation: a callback (`jax.pure_callback` has no
-  effect) or a foreign function or custom call."""
-  return any(
-    "callback" in eqn.primitive.name
-    or eqn.primitive.name in ("ffi_call", "custom_call")
-    for eqn in _compat.eqns_within(jaxpr)
-  )
-
-
 def _check_gradients(
   fn: str, grads: Any, params: Any, inner_state: Any, apply: Any
 ) -> None:
@@ -786,7 +775,7 @@ def _wrap(
       # after the updates in a second call (`read_after`): not when it has
       # effects (`jax.debug.print`, callbacks), which would run twice.
       closed, out = jax.make_jaxpr(traced, return_shape=True)()
-      if not zero[0] and (closed.effects or _calls_out(closed.jaxpr)):
+      if not zero[0] and _compat.hands_out(closed):
         zero[0] = True  # the step is traced again, with the zeros
       return out, widened and not closed.effects and _compat.order_narrow_writes()
 

@@ -462,6 +462,7 @@ def cond(
   true_fn: Callable[[], Any],
   false_fn: Callable[[], Any],
   one_cond: Callable[[Any, Callable[[], Any], Callable[[], Any]], Any] | None = None,
+  if_handed_out: Callable[[], Callable[[], Any]] | None = None,
 ) -> Any:
   """`one_cond(pred, true_fn, false_fn)`, as several conditionals when the
   branches have many outputs (see the module docstring).
@@ -469,11 +470,16 @@ def cond(
   `one_cond` is a variant of `jax.lax.cond` with the same signature, called
   once per conditional; None is `jax.lax.cond`, whose conditionals are then
   built from the traced equations directly rather than traced again. The
-  branches take no arguments (they close over their operands).
+  branches take no arguments (they close over their operands). When
+  `true_fn` hands values out of the computation (`_compat.hands_out`), the
+  true branch is `if_handed_out()` instead, where that is given.
   """
   build = one_cond is None
   traced_cond = one_cond or jax.lax.cond
   true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
+  if if_handed_out is not None and _compat.hands_out(true_closed):
+    true_fn = if_handed_out()
+    true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
   false_closed = jax.make_jaxpr(false_fn)()
   leaves, tree = jax.tree_util.tree_flatten(out_shape)
   if (

@@ -23,7 +23,7 @@ from _helpers import (
   recording_wrapper,
   standard_promotion,
 )
-from lossscale._compat import eqns_within
+from lossscale._compat import eqns_within, hands_out
 
 INF, NAN = float("inf"), float("nan")
 
@@ -310,6 +310,71 @@ def test_a_host_callback_in_the_inner_optimizer_never_sees_nonfinite_values():
   np.testing.assert_array_equal(p[0], np.full(3, 2.0**-14, np.float32))
   assert seen and all(np.all(np.isfinite(x)) for x in seen)
   np.testing.assert_array_equal(s.skipped_steps, [1, 0])
+
+
+def test_a_host_callback_chained_after_the_wrapper_never_sees_nonfinite_values():
+  # apply_gradients runs the transformations chained after the wrapper inside
+  # the step's conditional; a `jax.vmap` around the traced step runs both
+  # branches, so a callback there would log what the inner optimizer made of
+  # the bad member's inf unless the inner optimizer is fed zeros.
+  seen = []
+
+  def host(x):
+    seen.append(np.asarray(x).copy())
+    return np.asarray(x)
+
+  def log(u, state, params=None):
+    del params
+    shape = jax.ShapeDtypeStruct(u.shape, u.dtype)
+    return jax.pure_callback(host, shape, u, vmap_method="sequential"), state
+
+  logger = optax.GradientTransformation(lambda p: optax.EmptyState(), log)
+  tx = optax.chain(ls.dynamic_loss_scale(optax.sgd(0.5), initial_scale=4.0), logger)
+  params = jnp.ones((2, 3))
+  states = jax.vmap(tx.init)(params)
+  grads = jnp.array([[1.0, INF, 2.0], [4.0, 4.0, 4.0]])
+  step = lambda g, s, p: ls.apply_gradients(tx, g, s, p)
+  for ensemble in (jax.jit(jax.vmap(step)), jax.vmap(jax.jit(step))):
+    seen.clear()
+    p, s = ensemble(grads, states, params)
+    jax.effects_barrier()
+    assert seen and all(np.all(np.isfinite(x)) for x in seen)
+    np.testing.assert_array_equal(p[0], params[0])  # skipped
+    np.testing.assert_array_equal(p[1], params[1] - 0.5)  # sgd(0.5) on 4 / 4
+    np.testing.assert_array_equal(s[0].skipped_steps, [1, 0])
+
+
+def test_calls_out_are_found_in_every_nesting():
+  # Where the inner optimizer hands values out decides whether it is fed
+  # zeros for a bad member: a callback inside control flow, a custom
+  # derivative or `lax.custom_root` (JAX 0.12 keeps the latter's jaxprs on
+  # an object parameter) counts.
+  def cb(x):
+    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.pure_callback(lambda a: a, shape, x, vmap_method="sequential")
+
+  root = lambda x: jax.lax.custom_root(
+    lambda v: v - 1.0, x, lambda g, x0: cb(x0 - g(x0)), lambda g, y: y
+  )
+  nested = {
+    "direct": cb,
+    "cond": lambda x: jax.lax.cond(x[0] > 0, cb, lambda y: y, x),
+    "scan": lambda x: jax.lax.scan(lambda c, _: (cb(c), None), x, None, length=2)[0],
+    "while": lambda x: jax.lax.while_loop(lambda c: c[0] < 3, cb, x),
+    "checkpoint": jax.checkpoint(cb),
+    "jit": jax.jit(cb),
+    "custom_root": root,
+  }
+  x = jnp.ones(3)
+  for name, f in nested.items():
+    assert hands_out(jax.make_jaxpr(f)(x)), name
+  assert not hands_out(
+    jax.make_jaxpr(
+      lambda y: jax.lax.custom_root(
+        lambda v: v - 1.0, y, lambda g, x0: x0 - g(x0), lambda g, z: z
+      )
+    )(x)
+  )
 
 
 def test_inner_optimizer_sees_zeros_for_a_bad_member_only_where_both_branches_run():
