@@ -17,12 +17,12 @@ recorded too.
 Then the contract's comparison, repeated: at `--target-leaves` (2000),
 the bare step, `apply_gradients` and `tx.update` + `apply_updates`,
 `--rounds` times, the order of the three rotated from round to round. In
-one process, a step traced later pays more: Python's garbage collector
-scans every object the earlier steps left alive, and XLA compiles a module
-more slowly the second time than the first. The sweep above always
-compiles the bare step first; the rounds give each step every place in the
-order, and report the median of the per-round ratios to the bare step and
-their range.
+one process a step's time depends on what ran before it (Python's garbage
+collector walks every object the earlier steps left alive, and the same
+XLA compile varies by seconds), and the sweep above always compiles the
+bare step first; the rounds give each step every place in the order, and
+report the median of the per-round ratios to the bare step and their
+range.
 
 Then the eager steps: the same variants called without `jax.jit` on a
 small tree, median time per step after the first call, and the number of
@@ -246,7 +246,8 @@ def main(argv=None):
     rows.append(
       [
         n,
-        f"{bare['total_s']:.2f} s (trace {bare['trace_s'] + bare['lower_s']:.2f} s)",
+        f"{bare['total_s']:.2f} s"
+        f" (trace + lowering {bare['trace_s'] + bare['lower_s']:.2f} s)",
         *(
           f"{by_name[k]['vs_bare']:.2f}x"
           for k in (

@@ -436,7 +436,7 @@ def compile_time_targets(data: dict, source: str) -> list[str]:
   rounds = data.get("targets")
   if rounds and _field(rounds, "leaves") == CONTRACT_LEAVES:
     steps = _field(rounds, "steps")
-    how = f"median of {_field(rounds, 'rounds')} rounds, order rotated (range)"
+    how = f"median of {_field(rounds, 'rounds')} rounds in rotated order; range"
   else:
     steps = _by_leaves(_records(data)).get(CONTRACT_LEAVES, {})
     how = "one measurement, after the bare step"

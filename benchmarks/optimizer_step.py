@@ -275,7 +275,8 @@ def main(argv=None):
   analytic_min = p_bytes + 2 * (p_bytes + 2 * m_bytes)  # grads; params, mu, nu r+w
   print(
     f"{len(shapes)} leaves, {n / 1e6:.1f}M {dtype.name} parameters;"
-    f" analytic minimum {analytic_min / 1e6:.0f} MB per AdamW step",
+    f" analytic minimum {analytic_min / 1e6:.0f} MB per AdamW step"
+    + ("; nothing donated" if args.no_donate else ""),
     flush=True,
   )
 

@@ -201,7 +201,7 @@ def test_compile_time_targets_take_the_rotated_rounds_when_there_are_some():
   update_row = f"`tx.update` + `apply_updates`: {at} <= 2.5x bare"
   assert _row(lines, fused_row).endswith("| 1.52x (1.40-1.60) | **not met** |")
   assert _row(lines, update_row).endswith("| 2.00x (1.90-2.10) | met |")
-  header = "| target | measured (median of 3 rounds"
+  header = "| target | measured (median of 3 rounds in rotated order; range) |"
   assert any(line.startswith(header) for line in lines)
 
 
