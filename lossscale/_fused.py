@@ -219,7 +219,7 @@ def _apply_gradients(tx, grads, opt_state, params, **extra_args):
   # fed zeros there too, and the state is written in one call (a second
   # would run the callback twice).
   handed_out = None
-  if decision.zero is False:
+  if decision.zero is False or decision.in_order is True:
     handed_out = lambda: functools.partial(
       applied, decision._replace(zero=True, in_order=False)
     )

@@ -773,11 +773,14 @@ def _wrap(
     def shapes():
       # The output shapes, and whether the inner optimizer writes the state
       # after the updates in a second call (`read_after`): not when it has
-      # effects (`jax.debug.print`, callbacks), which would run twice.
+      # effects or hands values out (`jax.debug.print`, callbacks), which
+      # would run twice.
       closed, out = jax.make_jaxpr(traced, return_shape=True)()
-      if not zero[0] and _compat.hands_out(closed):
+      handing_out = _compat.hands_out(closed)
+      if handing_out:
         zero[0] = True  # the step is traced again, with the zeros
-      return out, widened and not closed.effects and _compat.order_narrow_writes()
+      in_order = widened and not (closed.effects or handing_out)
+      return out, in_order and _compat.order_narrow_writes()
 
     if given is None:  # decide only
       skipped = LossScaleState(
