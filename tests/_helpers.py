@@ -301,3 +301,21 @@ def recording_wrapper():
 
   inner = optax.GradientTransformation(lambda p: optax.EmptyState(), record)
   return ls.dynamic_loss_scale(inner), seen
+
+
+def pure_callback_logger():
+  """`(tx, seen)`: an identity transformation whose update passes the
+  updates through `jax.pure_callback` (no effect: it runs only where its
+  result is used), which appends a copy of each to `seen`."""
+  seen = []
+
+  def host(x):
+    seen.append(np.asarray(x).copy())
+    return np.asarray(x)
+
+  def log(updates, state, params=None):
+    del params
+    shape = jax.ShapeDtypeStruct(updates.shape, updates.dtype)
+    return jax.pure_callback(host, shape, updates, vmap_method="sequential"), state
+
+  return optax.GradientTransformation(lambda p: optax.EmptyState(), log), seen

@@ -20,6 +20,7 @@ from _helpers import (
   bytes_accessed,
   collectives,
   make_mesh,
+  pure_callback_logger,
   recording_wrapper,
   standard_promotion,
 )
@@ -280,20 +281,8 @@ def test_a_host_callback_in_the_inner_optimizer_never_sees_nonfinite_values():
   # `jax.pure_callback` has no effect, and a `jax.vmap` around a `lax.scan` of
   # steps batches the step's conditional without the wrapper seeing a batched
   # flag: the callback alone tells it to feed zeros to a bad member.
-  seen = []
-
-  def host(g):
-    seen.append(np.asarray(g))
-    return np.asarray(g)
-
-  def update(u, state, params=None):
-    del params
-    shape = jax.ShapeDtypeStruct(u.shape, u.dtype)
-    return jax.pure_callback(host, shape, u, vmap_method="sequential"), state
-
-  tx = ls.dynamic_loss_scale(
-    optax.GradientTransformation(lambda p: optax.EmptyState(), update)
-  )
+  logger, seen = pure_callback_logger()
+  tx = ls.dynamic_loss_scale(logger)
 
   def train(grads_seq, state, params):
     def body(carry, g):
@@ -320,18 +309,7 @@ def test_a_host_callback_chained_after_the_wrapper_never_sees_nonfinite_values(d
   # the bad member's inf unless the inner optimizer is fed zeros. With
   # bfloat16 parameters the state is not written in a second call of the
   # chain, which would run the callback twice.
-  seen = []
-
-  def host(x):
-    seen.append(np.asarray(x).copy())
-    return np.asarray(x)
-
-  def log(u, state, params=None):
-    del params
-    shape = jax.ShapeDtypeStruct(u.shape, u.dtype)
-    return jax.pure_callback(host, shape, u, vmap_method="sequential"), state
-
-  logger = optax.GradientTransformation(lambda p: optax.EmptyState(), log)
+  logger, seen = pure_callback_logger()
   # A state after the logger, computed from what it returns: with bfloat16
   # it is the kind written in a second call of the chain.
   wrapper = ls.dynamic_loss_scale(optax.sgd(0.5), initial_scale=4.0)
