@@ -103,7 +103,7 @@ class Decision(NamedTuple):
     in_order: whether the state the inner optimizer computes wider than it
       stores (float32 for half-precision parameters) may be written in a
       second call, after the new parameters (`read_after`): the inner
-      optimizer has no effects.
+      optimizer has no effects and hands no values out.
     zero: whether the inner optimizer is fed zeros in place of non-finite
       gradients (where both branches of the step may run and be seen).
   """
