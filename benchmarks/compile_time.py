@@ -48,6 +48,7 @@ import _bench
 import lossscale as ls
 
 SCALE = 2.0**15
+_BARE = "adamw (bare)"
 
 _COMPILATIONS: list[str] = []
 jax.monitoring.register_event_duration_secs_listener(
@@ -83,7 +84,7 @@ def _variants(adam):
     return optax.apply_updates(params, updates), state
 
   return {
-    "adamw (bare)": (adam.init, bare),
+    _BARE: (adam.init, bare),
     "lossscale: tx.update + apply_updates": (tx.init, update),
     "lossscale.apply_gradients": (tx_fused.init, fused),
     "optax.apply_if_finite": (aif.init, apply_if_finite),
@@ -129,7 +130,6 @@ def _compile_times(n_leaves: int, make_variants) -> dict[str, dict[str, float]]:
   }
 
 
-_BARE = "adamw (bare)"
 _ROTATED = (_BARE, "lossscale.apply_gradients", "lossscale: tx.update + apply_updates")
 
 
@@ -231,7 +231,7 @@ def main(argv=None):
   records = []
   for n in sizes:
     times = _compile_times(n, make_variants)
-    base = times["adamw (bare)"]["total_s"]
+    base = times[_BARE]["total_s"]
     for name, t in times.items():
       records.append(dict(variant=name, leaves=n, **t, vs_bare=t["total_s"] / base))
   targets = None
@@ -242,7 +242,7 @@ def main(argv=None):
   rows = []
   for n in sizes:
     by_name = {r["variant"]: r for r in records if r["leaves"] == n}
-    bare = by_name["adamw (bare)"]
+    bare = by_name[_BARE]
     rows.append(
       [
         n,
@@ -268,7 +268,7 @@ def main(argv=None):
     ],
     rows,
   )
-  base_ms = eager["adamw (bare)"]["median_ms"]
+  base_ms = eager[_BARE]["median_ms"]
   eager_table = _bench.markdown_table(
     [
       "eager step (no jax.jit)",
