@@ -68,6 +68,7 @@ def cond(
   *,
   operands: Any,
   if_handed_out: Callable[[], Callable[[], T]] | None = None,
+  vet: Callable[[Any], None] | None = None,
 ) -> T:
   """`jax.lax.cond`, split for many outputs (`lossscale/_split.py`), whose
   branches may differ in which axes they vary over.
@@ -85,14 +86,16 @@ def cond(
       over a manual axis (always so outside `shard_map`), no output can.
     if_handed_out: gives the true branch to use instead where `true_fn`
       hands values out of the computation (`lossscale/_split.py`).
+    vet: called with the true branch's trace (a `ClosedJaxpr`) before any
+      conditional is built; it may raise.
 
   Returns:
     The output of the branch taken.
   """
   leaves = jax.tree_util.tree_leaves((pred, operands))
   if not any(_compat.varying_axes(x) for x in leaves if hasattr(x, "dtype")):
-    return _split.cond(pred, true_fn, false_fn, if_handed_out=if_handed_out)
-  return _split.cond(pred, true_fn, false_fn, _varying_cond, if_handed_out)
+    return _split.cond(pred, true_fn, false_fn, None, if_handed_out, vet)
+  return _split.cond(pred, true_fn, false_fn, _varying_cond, if_handed_out, vet)
 
 
 def _varying_cond(pred: Any, true_fn: Callable[[], T], false_fn: Callable[[], T]) -> T:

@@ -126,9 +126,15 @@ def eqns_within(jaxpr: Any) -> Iterator[Any]:
   primitive whose one parameter keeps its jaxprs that way)."""
   for eqn in jaxpr.eqns:
     yield eqn
-    for value in eqn.params.values():
-      for sub in _nested_jaxprs(value):
-        yield from eqns_within(sub)
+    yield from eqns_nested_in(eqn)
+
+
+def eqns_nested_in(eqn: Any) -> Iterator[Any]:
+  """Every equation of the jaxprs nested in `eqn`'s parameters (see
+  `eqns_within`)."""
+  for value in eqn.params.values():
+    for sub in _nested_jaxprs(value):
+      yield from eqns_within(sub)
 
 
 def _nested_jaxprs(value: Any, depth: int = 0) -> Iterator[Any]:

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import optax
 
-from lossscale import _axes
+from lossscale import _axes, _collectives
 from lossscale._finite import is_inexact
 
 _REDUCTIONS = ("mean", "sum")
@@ -94,6 +94,7 @@ def cross_shard_mean(
 
   def update_fn(updates, state, params=None):
     del params
+    _collectives.check_not_per_replica(fn, axis_name, updates)
     leaves, treedef = jax.tree.flatten(updates)
     picked = [x for x in leaves if is_inexact(x)]
     # One call for all leaves: XLA sees one all-reduce to combine or pipeline.

@@ -27,10 +27,11 @@ from typing import Any
 import jax
 import optax
 
-from lossscale import _axes, _compat
+from lossscale import _axes, _collectives, _compat
 from lossscale._applied import check_consulted, control_flow_error
 from lossscale._loss_scale import (
   DECISION,
+  DecideOnly,
   Decision,
   _is_state,
   _like,
@@ -60,13 +61,15 @@ def _no_decision_error() -> ValueError:
   )
 
 
-def _decide(tx, grads, opt_state, params, extra_args) -> Decision:
+def _decide(tx, grads, opt_state, params, extra_args, request=None) -> Decision:
   n_states = len(states_in(opt_state))
   if n_states != 1:
     raise _count_error("none" if not n_states else str(n_states))
   check_consulted(opt_state)
   try:
-    _, decided = tx.update(grads, opt_state, params, **extra_args, **{DECISION: None})
+    _, decided = tx.update(
+      grads, opt_state, params, **extra_args, **{DECISION: request}
+    )
   except (TypeError, ValueError) as e:
     try:  # Does the ordinary step trace? Then the decision request broke it.
       jax.eval_shape(lambda: tx.update(grads, opt_state, params, **extra_args))
@@ -173,9 +176,36 @@ def apply_gradients(
   return _apply_gradients(tx, grads, opt_state, params, **extra_args)
 
 
+class _MoreAxes(Exception):
+  """The applied step communicates over axes its decision was not reduced
+  over (a collective chained after the wrapper)."""
+
+  def __init__(self, axes: tuple) -> None:
+    super().__init__(axes)
+    self.axes = axes
+
+
 def _apply_gradients(tx, grads, opt_state, params, **extra_args):
   decision = _decide(tx, grads, opt_state, params, extra_args)
 
+  def vet(closed: Any) -> None:
+    found = _collectives.communicated_axes(closed)
+    more = tuple(a for a in found if a not in decision.axes.names)
+    if more:
+      raise _MoreAxes(_collectives.union(decision.axes.names, more))
+
+  try:
+    return _step(tx, grads, opt_state, params, extra_args, decision, vet)
+  except _MoreAxes as e:
+    # A collective after the wrapper (`cross_shard_mean` chained after it)
+    # runs only where the step is applied: every replica must take the same
+    # branch, so the decision is taken again, reduced over its axes too.
+    request = DecideOnly(e.axes)
+    decision = _decide(tx, grads, opt_state, params, extra_args, request)
+    return _step(tx, grads, opt_state, params, extra_args, decision, None)
+
+
+def _step(tx, grads, opt_state, params, extra_args, decision, vet):
   # Called outside any trace, the step is decided here, in Python, and runs
   # op by op, as the bare optimizer runs eagerly.
   eager = not isinstance(decision.finite, jax.core.Tracer)
@@ -229,4 +259,5 @@ def _apply_gradients(tx, grads, opt_state, params, **extra_args):
     skipped,
     operands=(grads, opt_state, params),
     if_handed_out=handed_out,
+    vet=vet,
   )

@@ -16,7 +16,9 @@ argument, and which `jax.jit` sees like any other argument:
 - `None`: decide only. The wrapper unscales and decides, runs no inner
   optimizer, and returns zero updates (so transformations chained after it can
   be traced) and, in place of its state, a `Decision`: the finite flag and the
-  state a skipped step would leave.
+  state a skipped step would leave. `DecideOnly(axes)` is the same, with the
+  flag reduced over `axes` too (the axes a collective chained after the
+  wrapper communicates over: `apply_gradients` asks again with them).
 - a `Decision`, returned by a call with `None` on exactly these arguments:
   apply it. The wrapper takes the flag and the gradients it decided on from
   the `Decision` (so whatever computed them before it, a cross-replica mean
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale import _axes, _compat, _once, _validation
+from lossscale import _axes, _collectives, _compat, _once, _validation
 from lossscale._finite import (
   all_finite_times,
   compute_dtype,
@@ -57,6 +59,13 @@ DECISION = "lossscale_finite"
 """The keyword argument of a wrapper's `update` that carries a decision."""
 
 _ORDINARY = object()  # no `DECISION` argument: the ordinary step
+
+
+class DecideOnly(NamedTuple):
+  """`DECISION=DecideOnly(axes)`: decide only, the flag reduced over `axes`
+  as well as the wrapper's own (`DECISION=None` is `DecideOnly(())`)."""
+
+  axes: tuple = ()
 
 
 class LossScaleState(NamedTuple):
@@ -91,12 +100,26 @@ class LossScaleState(NamedTuple):
   inner_state: optax.OptState
 
 
+@dataclasses.dataclass(frozen=True)
+class AxisSet:
+  """Axis names, as a pytree with no leaves (a `Decision` may be returned
+  from a jitted `tx.update`)."""
+
+  names: tuple = ()
+
+
+jax.tree_util.register_pytree_node(
+  AxisSet, lambda a: ((), a.names), lambda names, _: AxisSet(names)
+)
+
+
 class Decision(NamedTuple):
   """What a wrapper returns in place of its state when asked to decide only.
 
   Attributes:
     finite: bool, whether the step's gradients are finite (reduced over the
-      wrapper's `axis_name`).
+      wrapper's `axis_name`, the axes its inner optimizer communicates over
+      and those of a `DecideOnly` request).
     skipped: the wrapper's `LossScaleState` after skipping this step.
     incoming: the gradients the wrapper received (after the transformations
       chained before it), still scaled.
@@ -106,6 +129,7 @@ class Decision(NamedTuple):
       optimizer has no effects and hands no values out.
     zero: whether the inner optimizer is fed zeros in place of non-finite
       gradients (where both branches of the step may run and be seen).
+    axes: the axes `finite` was reduced over (an `AxisSet`).
   """
 
   finite: jax.Array
@@ -113,6 +137,7 @@ class Decision(NamedTuple):
   incoming: Any
   in_order: bool = False
   zero: bool = False
+  axes: AxisSet = AxisSet()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -686,17 +711,23 @@ def _wrap(
       )
     return LossScaleState(**_init_counters(rule), inner_state=inner_state)
 
-  def decide(grads, scale):
-    finite = all_finite_times(grads, _check_factor(scale))
-    if axis_name is not None:
-      # One scalar collective: every replica takes the same decision.
-      finite = _axes.bound_collective(
-        fn, axis_name, lambda: jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
-      )
-    return finite
+  def agree(finite, axes):
+    """The flag, the same on every replica of `axes` (one scalar collective)."""
+    if not axes:
+      return finite
+    names = axes[0] if len(axes) == 1 else axes
+    return _axes.bound_collective(
+      fn, names, lambda: jax.lax.pmin(finite.astype(jnp.int32), names) > 0
+    )
 
   def update_fn(updates, state, params=None, **extra_args):
     given = extra_args.pop(DECISION, _ORDINARY)
+    decide_only = given is None or isinstance(given, DecideOnly)
+    # The axes the decision is reduced over: the wrapper's `axis_name`, those
+    # `apply_gradients` found after it, and (below) those the inner optimizer
+    # communicates over (lossscale/_collectives.py).
+    asked = given.axes if isinstance(given, DecideOnly) else ()
+    axes = _collectives.union(_collectives.as_tuple(axis_name), asked)
     _check_state(fn, state)
     if isinstance(given, Decision):
       updates = given.incoming
@@ -710,7 +741,7 @@ def _wrap(
     elif isinstance(given, Decision):
       finite = given.finite
     else:
-      finite = decide(updates, scale)
+      finite = all_finite_times(updates, _check_factor(scale))  # this replica's
 
     # Called outside any trace (the flag is concrete: no enclosing
     # transformation stages its computation), the step is decided in Python
@@ -780,14 +811,29 @@ def _wrap(
       if handing_out:
         zero[0] = True  # the step is traced again, with the zeros
       in_order = widened and not (closed.effects or handing_out)
-      return out, in_order and _compat.order_narrow_writes()
+      in_order = in_order and _compat.order_narrow_writes()
+      return out, in_order, _collectives.communicated_axes(closed)
 
-    if given is None:  # decide only
+    traced_step = rule.enabled and isinstance(finite, jax.core.Tracer)
+    out = in_order = None
+    if traced_step and not isinstance(given, Decision):
+      # A collective inside the inner optimizer (`cross_shard_mean` chained
+      # inside the wrapper) must run on every replica or none: the decision
+      # is reduced over its axes too. The trace is the step's own (`_once`).
+      out, in_order, inner_axes = shapes()
+      axes = _collectives.union(axes, inner_axes)
+      finite = agree(finite, axes)
+    elif rule.enabled and not isinstance(given, Decision):
+      finite = agree(finite, axes)
+
+    if decide_only:
+      if out is None:
+        out, in_order, _ = shapes()
       skipped = LossScaleState(
         **_next_counters(rule, state, finite), inner_state=state.inner_state
       )
-      out, in_order = shapes()
-      return _zeros(out[0]), Decision(finite, skipped, updates, in_order, zero[0])
+      decision = Decision(finite, skipped, updates, in_order, zero[0], AxisSet(axes))
+      return _zeros(out[0]), decision
     if given is _ORDINARY and rule.enabled and eager:
       if bool(finite):
         new_updates, inner_state = apply()
@@ -798,7 +844,6 @@ def _wrap(
     elif given is _ORDINARY and rule.enabled:
       # `lax.cond`: a skipped step runs no optimizer, a finite one updates
       # the inner state in place (docs/performance.md has the measurements).
-      out, in_order = shapes()
       operands = (updates, state, params)
       skip = lambda: (_zeros(out[0]), state.inner_state)
       if not (
@@ -822,6 +867,9 @@ def _wrap(
           lambda: state.inner_state,
           operands=(*operands, new_updates),
         )
+      # A `cross_shard_mean` chained after the wrapper refuses these unless
+      # the decision was reduced over its axis.
+      _collectives.mark_per_replica(new_updates, axes)
     else:
       new_updates, inner_state = apply()
     return new_updates, LossScaleState(

@@ -463,6 +463,7 @@ def cond(
   false_fn: Callable[[], Any],
   one_cond: Callable[[Any, Callable[[], Any], Callable[[], Any]], Any] | None = None,
   if_handed_out: Callable[[], Callable[[], Any]] | None = None,
+  vet: Callable[[Any], None] | None = None,
 ) -> Any:
   """`one_cond(pred, true_fn, false_fn)`, as several conditionals when the
   branches have many outputs (see the module docstring).
@@ -472,7 +473,8 @@ def cond(
   built from the traced equations directly rather than traced again. The
   branches take no arguments (they close over their operands). When
   `true_fn` hands values out of the computation (`_compat.hands_out`), the
-  true branch is `if_handed_out()` instead, where that is given.
+  true branch is `if_handed_out()` instead, where that is given. `vet` is
+  called with the true branch's trace before anything is built.
   """
   build = one_cond is None
   traced_cond = one_cond or jax.lax.cond
@@ -480,6 +482,8 @@ def cond(
   if if_handed_out is not None and _compat.hands_out(true_closed):
     true_fn = if_handed_out()
     true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
+  if vet is not None:
+    vet(true_closed)
   false_closed = jax.make_jaxpr(false_fn)()
   leaves, tree = jax.tree_util.tree_flatten(out_shape)
   if (

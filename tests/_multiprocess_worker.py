@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import _compat
+import _placements
 import lossscale as ls
 
 STEPS = 8
@@ -184,6 +185,26 @@ def set_scale_and_save(mesh: jax.sharding.Mesh, directory: str) -> dict:
   }
 
 
+# Placements of `cross_shard_mean` (tests/_placements.py) across the two
+# processes: the inf is in the last device's gradients, process 1's.
+PLACEMENTS = ("inside", "after", "hand-written pmean, after")
+
+
+def placements() -> dict:
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("i",))
+  put = lambda a, sharding: jax.make_array_from_callback(
+    a.shape, sharding, lambda i: a[i]
+  )
+  with jax.numpy_dtype_promotion("standard"):  # optax's Adam
+    return {
+      f"{style}: {name}": _placements.outcome(
+        name, style, "shard_map", mesh=mesh, put=put
+      )
+      for style in ("update", "apply_gradients")
+      for name in PLACEMENTS
+    }
+
+
 def main(coordinator: str, process_id: int, out_path: str, ckpt_dir: str) -> None:
   jax.config.update("jax_platforms", "cpu")
   _compat.set_cpu_device_count(2)
@@ -200,6 +221,7 @@ def main(coordinator: str, process_id: int, out_path: str, ckpt_dir: str) -> Non
     bad = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == BAD_PROCESS]
     result = train(mesh, bad)
     result.update(set_scale_and_save(mesh, ckpt_dir))
+    result["placements"] = placements()
     result.update(
       process_index=jax.process_index(),
       process_count=jax.process_count(),

@@ -128,3 +128,19 @@ def test_a_global_state_saves_with_orbax_after_set_loss_scale(two_processes):
     # The inner state came through too: one step of momentum on gradients of
     # ones, which the wrapper unscaled by the initial scale 2**8.
     assert r["restored_momentum"] == [2.0**-8] * 4
+
+
+def test_no_placement_leaves_one_process_waiting(two_processes):
+  # Both processes finished (the fixture's deadline) and took one decision:
+  # a collective inside or after the wrapper joins the decision's axes, or
+  # `cross_shard_mean` after a per-replica wrapper refuses at trace time.
+  first, second = (r["placements"] for r in two_processes)
+  assert "axis_name='i'" in first["update: after"]["error"]
+  assert "axis_name='i'" in second["update: after"]["error"]
+  agreeing = [k for k in first if k != "update: after"]
+  agreeing.remove("update: hand-written pmean, after")  # documented: axis_name
+  for key in agreeing:
+    scales = first[key]["scales"][0] + second[key]["scales"][0]
+    assert scales == [2.0**14] * 4, key
+    assert first[key]["skipped"] == second[key]["skipped"] == [[1, 1], [1, 1]], key
+    assert first[key]["params"][1] == second[key]["params"][1], key
