@@ -46,6 +46,10 @@ def cross_shard_mean(
       `axis_name`.
     NameError: from `update`, called where `axis_name` is not bound; the
       message says how to bind it.
+    ValueError: from `update`, when chained directly after a loss-scaling
+      wrapper whose decision is not reduced over `axis_name` (replicas
+      would skip on their own and drift apart); the message says to chain
+      it before the wrapper or pass the wrapper `axis_name`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax

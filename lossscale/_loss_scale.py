@@ -943,7 +943,11 @@ def dynamic_loss_scale(
       last grew (`hysteresis - 1` are tolerated; none with the default 1).
     min_scale: the lowest scale, a normal float32 (`>= 2**-126`).
     max_scale: the highest scale, a finite float32.
-    axis_name: axis name(s) over which the finite flag is reduced.
+    axis_name: axis name(s) over which the finite flag is reduced. The
+      axes a collective inside `inner` communicates over (a
+      `cross_shard_mean` chained inside) are added to them, so that every
+      replica runs `inner` or none does ([Data-parallel
+      training][wherever-the-collective-stands]).
     reset_hysteresis_on_backoff: refill `h` after each back-off too, so the
       scale backs off on every `hysteresis`-th overflow since it last changed.
     enabled: `False` gives exactly `inner` (no scaling, no skipping) with the
