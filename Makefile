@@ -24,7 +24,7 @@ OLDEST_STAMP := $(OLDEST)/.installed
 DIST := dist
 WHEEL_VENV := .venv-wheel
 
-.PHONY: test check-newest test-newest test-oldest lint typecheck docs-check \
+.PHONY: test check-newest test-newest test-oldest test-plain lint typecheck docs-check \
 	dist-check demo docs bench bench-compare clean FORCE
 
 # DIR/.python: the Python version DIR is built with (.ci/venv creates DIR,
@@ -54,7 +54,7 @@ $(OLDEST_STAMP): pyproject.toml .ci/lower_bounds.py $(OLDEST)/.python
 # CI runs all of it with Python 3.11 and 3.13 installed (the newest stack on
 # 3.13, the oldest on 3.11), and test-newest with 3.11 alone (PYTHON=python:
 # the newest releases Python 3.11 gets).
-test: check-newest test-oldest
+test: check-newest test-plain test-oldest
 
 check-newest: lint typecheck test-newest docs-check dist-check
 
@@ -63,6 +63,11 @@ test-newest: $(STAMP)
 
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST_PY) -m pytest -q
+
+# The suite with the speed layer off (lossscale/_speed.py): the contract holds
+# on the plain core too; tests of the speed layer's own formulations skip.
+test-plain: $(STAMP)
+	LOSSSCALE_PLAIN=1 $(PY) -m pytest -q --ignore=tests/test_docs.py
 
 # ruff, and zizmor over the GitHub workflows (their schema and security).
 lint: $(STAMP)

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from lossscale import _compat, _split
+from lossscale import _compat, _speed, _split
 
 AxisName = Hashable | tuple[Hashable, ...]
 T = TypeVar("T")
@@ -93,9 +93,27 @@ def cond(
     The output of the branch taken.
   """
   leaves = jax.tree_util.tree_leaves((pred, operands))
-  if not any(_compat.varying_axes(x) for x in leaves if hasattr(x, "dtype")):
+  varying = any(_compat.varying_axes(x) for x in leaves if hasattr(x, "dtype"))
+  if not _speed.on():
+    return _plain_cond(pred, true_fn, false_fn, varying, if_handed_out, vet)
+  if not varying:
     return _split.cond(pred, true_fn, false_fn, None, if_handed_out, vet)
   return _split.cond(pred, true_fn, false_fn, _varying_cond, if_handed_out, vet)
+
+
+def _plain_cond(pred, true_fn, false_fn, varying, if_handed_out, vet):
+  """One `jax.lax.cond` (`LOSSSCALE_PLAIN=1`); the true branch is traced
+  first only where it must be looked at."""
+  if if_handed_out is not None or vet is not None:
+    closed = jax.make_jaxpr(true_fn)()
+    if if_handed_out is not None and _compat.hands_out(closed):
+      true_fn = if_handed_out()
+      closed = jax.make_jaxpr(true_fn)()
+    if vet is not None:
+      vet(closed)
+  if varying:
+    return _varying_cond(pred, true_fn, false_fn)
+  return jax.lax.cond(pred, true_fn, false_fn)
 
 
 def _varying_cond(pred: Any, true_fn: Callable[[], T], false_fn: Callable[[], T]) -> T:

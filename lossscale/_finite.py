@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lossscale import _speed
+
 # Leaves larger than this are reduced one by one: XLA:CPU runs independent
 # reductions side by side, and one kernel reading several large arrays is
 # slower. Smaller leaves of one size and dtype are added up elementwise,
@@ -89,9 +91,10 @@ def all_finite_times(tree: Any, factor: jax.Array | None) -> jax.Array:
   leaves = [x for x in leaves if is_inexact(x)]
   if not leaves:
     return jnp.array(True)
-  if jax.debug_nans.value:
-    # `jax.debug_nans` flags every NaN an operation produces, and the fast
-    # check below makes one from each inf: check element by element instead.
+  if jax.debug_nans.value or not _speed.on():
+    # The plain check (`LOSSSCALE_PLAIN=1`). `jax.debug_nans` flags every
+    # NaN an operation produces, and the fast check below makes one from
+    # each inf: it gets this one too.
     return jnp.all(
       jnp.stack([jnp.all(jnp.isfinite(_times(x, factor))) for x in leaves])
     )

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import optax
 
-from lossscale import _axes, _collectives, _compat
+from lossscale import _axes, _collectives, _compat, _speed
 from lossscale._applied import check_consulted, control_flow_error
 from lossscale._loss_scale import (
   DECISION,
@@ -226,7 +226,8 @@ def _step(tx, grads, opt_state, params, extra_args, decision, vet):
     # 0.82x not, and a skipped step 0.27x and 0.52x).
     # `is True`: a `tx.update` under its own `jax.jit` hands the flag back
     # as an array; then the state is written as it is (copied).
-    if decision.in_order is True and _compat.ORDER_FUSED_WRITES and not eager:
+    ordered = _compat.ORDER_FUSED_WRITES and _speed.on()
+    if decision.in_order is True and ordered and not eager:
       old, ordered = read_after(opt_state, new_params)
       if ordered:
         _, new_state = update(old)

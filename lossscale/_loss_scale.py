@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale import _axes, _collectives, _compat, _once, _validation
+from lossscale import _axes, _collectives, _compat, _once, _speed, _validation
 from lossscale._finite import (
   all_finite_times,
   compute_dtype,
@@ -687,7 +687,7 @@ def _wrap(
   shapes_traced = _once.once(run_apply) if rule.enabled else run_apply
 
   def traced_for(updates: Any) -> Any:
-    if not rule.enabled:
+    if not rule.enabled or not _speed.on():
       return run_apply
     arrays = [x for x in jax.tree_util.tree_leaves(updates) if is_array(x)]
     key = arrays[0] if arrays else None

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from lossscale import _speed
 from lossscale._finite import is_array
 
 # How many static parts (tree structures, non-array values such as a `tx`
@@ -74,6 +75,8 @@ def once(fn: Callable[..., Any]) -> Callable[..., Any]:
   jitted: collections.OrderedDict[_Static, Any] = collections.OrderedDict()
 
   def traced_once(*args: Any) -> Any:
+    if not _speed.on():  # `LOSSSCALE_PLAIN=1`: traced wherever it is called
+      return fn(*args)
     leaves, treedef = jax.tree_util.tree_flatten(args)
     arrays_at = tuple(is_array(x) for x in leaves)
     try:

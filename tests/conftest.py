@@ -13,7 +13,15 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 def pytest_collection_modifyitems(items):
-  """Docstring examples that show `jax.shard_map` skip on a JAX without it."""
+  """Docstring examples that show `jax.shard_map` skip on a JAX without it;
+  tests of the speed layer's formulations skip under `LOSSSCALE_PLAIN=1`."""
+  from lossscale import _speed
+
+  if not _speed.on():
+    plain = pytest.mark.skip(reason="a speed-layer formulation: LOSSSCALE_PLAIN=1")
+    for item in items:
+      if item.get_closest_marker("speed_layer"):
+        item.add_marker(plain)
   if hasattr(jax, "shard_map"):
     return
   skip = pytest.mark.skip(reason="shows `jax.shard_map`, which this JAX does not have")

@@ -100,6 +100,7 @@ def test_all_finite_finds_a_bad_element_in_any_leaf_of_a_group(bad):
       assert not bool(check(bad_tree)), (key, at)
 
 
+@pytest.mark.speed_layer
 def test_all_finite_reduces_small_leaves_together():
   # A reduction per leaf made a thousand-leaf step compile for minutes
   # (docs/performance.md, "How cost grows"): leaves of one shape and dtype
@@ -115,6 +116,7 @@ def test_all_finite_reduces_small_leaves_together():
   assert primitive_count(jaxpr, "reshape") == 0
 
 
+@pytest.mark.speed_layer
 def test_only_large_leaves_are_checked_behind_a_conditional_on_the_factor():
   # A factor of at most 1 checks a large leaf as it is (the cheaper
   # reduction); small leaves take the factor whatever it is, so that a

@@ -482,6 +482,7 @@ def test_plain_transformation_dropping_extra_args_is_refused():
     ls.apply_gradients(tx, _grads(0), tx.init(params), params)
 
 
+@pytest.mark.speed_layer
 def test_inner_optimizer_traced_once_per_step():
   # The decision pass needs the inner optimizer's output shapes, the finite
   # branch runs it, and inside shard_map the branches' varying axes are
@@ -806,6 +807,7 @@ def test_integer_parameters_with_float0_gradients_are_kept():
     assert int(new_state.skipped_steps) == 1
 
 
+@pytest.mark.speed_layer
 def test_step_holds_no_reduction_per_leaf():
   # A reduction per leaf (the finite check's) made XLA compile a
   # thousand-leaf step for minutes (docs/performance.md, "How cost grows"):

@@ -377,6 +377,7 @@ def _compiled_costs(dtype):
   return costs, sum(x.nbytes for x in jax.tree.leaves(params))
 
 
+@pytest.mark.speed_layer
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)
 def test_half_precision_steps_move_and_hold_little_more_than_the_bare_step(dtype):
   costs, p_bytes = _compiled_costs(dtype)

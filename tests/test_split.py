@@ -15,6 +15,9 @@ from _helpers import (
 )
 from lossscale import _split
 
+# The split conditionals are the speed layer's: LOSSSCALE_PLAIN=1 skips them.
+pytestmark = pytest.mark.speed_layer
+
 INF = float("inf")
 
 

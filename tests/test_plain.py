@@ -1,0 +1,126 @@
+"""`LOSSSCALE_PLAIN=1`: the plain core, with the speed layer off.
+
+The switch is read when a step is traced. With it, a wrapper's step and
+`apply_gradients` are each one `lax.cond`; without it the speed layer
+splits them. Both give the same bits. `make test` also runs the contract
+test files with the switch on (`make test-plain`).
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lossscale as ls
+from _helpers import standard_promotion
+from lossscale import _compat, _speed
+
+
+def _conds(fn, *args):
+  closed = jax.make_jaxpr(fn)(*args)
+  names = (e.primitive.name for e in _compat.eqns_within(_compat.open_jaxpr(closed)))
+  return collections.Counter(names)["cond"]
+
+
+@pytest.fixture(params=["fast", "plain"])
+def mode(request, monkeypatch):
+  if request.param == "plain":
+    monkeypatch.setenv("LOSSSCALE_PLAIN", "1")
+  else:
+    monkeypatch.delenv("LOSSSCALE_PLAIN", raising=False)
+  return request.param
+
+
+@pytest.mark.parametrize("value", ["1", "true", "ON", " yes "])
+def test_switch_spellings(value, monkeypatch):
+  monkeypatch.setenv("LOSSSCALE_PLAIN", value)
+  assert not _speed.on()
+  monkeypatch.setenv("LOSSSCALE_PLAIN", "0")
+  assert _speed.on()
+  monkeypatch.delenv("LOSSSCALE_PLAIN")
+  assert _speed.on()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_300_leaf_adamw_step_is_one_conditional_when_plain(dtype, mode):
+  params = {f"p{i}": jnp.ones((4, 3), dtype) for i in range(300)}
+  tx = ls.dynamic_loss_scale(optax.adamw(1e-3))
+  state = tx.init(params)
+  with standard_promotion():
+    fused = _conds(
+      lambda g, s, p: ls.apply_gradients(tx, g, s, p), params, state, params
+    )
+    composed = _conds(lambda g, s, p: tx.update(g, s, p), params, state, params)
+  if mode == "plain":
+    assert (fused, composed) == (1, 1)
+  else:  # the speed layer splits the conditional (and the finite check)
+    assert fused > 1 and composed > 1
+
+
+def _run(fused, dtype, steps):
+  tx = optax.chain(
+    optax.clip_by_global_norm(1.0),
+    ls.dynamic_loss_scale(optax.adamw(1e-2), initial_scale=2.0**4, growth_interval=2),
+    optax.trace(0.5),
+  )
+  rng = np.random.default_rng(0)
+  params = {
+    f"p{i}": jnp.asarray(rng.standard_normal((i + 1, 3)), dtype) for i in range(40)
+  }
+  state = tx.init(params)
+
+  def step(g, s, p):
+    if fused:
+      return ls.apply_gradients(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(step)
+  out = []
+  for t, bad in enumerate(steps):
+    grads = jax.tree.map(lambda p, t=t: jnp.full(p.shape, 0.5 + t, p.dtype), params)
+    if bad:
+      grads["p7"] = grads["p7"].at[0, 0].set(jnp.inf)
+    with standard_promotion():
+      params, state = step(grads, state, params)
+    out.append((params, state))
+  return out
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["tx.update", "apply_gradients"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_plain_and_fast_give_the_same_bits(fused, dtype, monkeypatch):
+  steps = [False, True, False, True, True]
+  monkeypatch.delenv("LOSSSCALE_PLAIN", raising=False)
+  fast = _run(fused, dtype, steps)
+  monkeypatch.setenv("LOSSSCALE_PLAIN", "1")
+  plain = _run(fused, dtype, steps)
+  for a, b in zip(fast, plain, strict=True):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_new_jit_of_the_same_tx_reads_a_changed_learning_rate(mode):
+  lr = [0.1]
+  inner = optax.GradientTransformation(
+    lambda p: optax.EmptyState(),
+    lambda u, s, p=None: (jax.tree.map(lambda g: -lr[0] * g, u), s),
+  )
+  tx = ls.dynamic_loss_scale(inner, initial_scale=1.0)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  grads = {"w": jnp.ones(2)}
+  for fused in (False, True):
+    lr[0] = 0.1
+    for want in (0.1, 0.25):
+      lr[0] = want
+      if fused:
+        step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+      else:
+        step = jax.jit(lambda g, s, p: optax.apply_updates(p, tx.update(g, s, p)[0]))
+      new = step(grads, state, params)
+      new = new[0] if fused else new
+      np.testing.assert_allclose(new["w"], 1.0 - want, rtol=1e-6)
