@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from collections.abc import Iterator
 from typing import Any, NamedTuple, cast
 
@@ -45,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale import _axes, _collectives, _compat, _once, _speed, _validation
+from lossscale import _axes, _collectives, _compat, _once, _validation
 from lossscale._finite import (
   all_finite_times,
   compute_dtype,
@@ -606,6 +605,166 @@ def _widen_float16(tree: Any) -> Any:
 GRADIENT_EXTRA_ARGS = ("grad",)
 
 
+def _run_inner(
+  inner, rule, updates, scaling, finite, inner_state, params, extra_args, widened, zero
+):
+  """The inner optimizer's step on the unscaled gradients (`finite` false
+  and `zero`: on zeros), its state kept in the dtypes it had. `scaling` is
+  the loss scale (`enabled=False`) or `_unscale_factors` of it."""
+
+  def unscaled(tree):
+    # Computed where it is used, not shared with the decision: XLA fuses
+    # it into the inner optimizer, and the check into its reduction, so no
+    # param-sized unscaled copy is ever written (sharing one made
+    # `lax.cond` take it as a materialized operand).
+    tree = numbers_as_arrays(tree)
+    if not rule.enabled:
+      # A `lax.cond`, not a multiply by 1: the gradients themselves on a
+      # fresh state, so the inner optimizer compiles as it does bare (a
+      # multiply by a traced 1 changed XLA's fusion, and the last bits).
+      if not isinstance(scaling, jax.core.Tracer):  # eager: decided here
+        if scaling == 1:
+          return _widen(tree) if widened else tree
+        tree = _unscale(tree, _unscale_factors(scaling), keep_dtype=True)
+        return _widen(tree) if widened else tree
+      tree = jax.lax.cond(
+        scaling == 1,
+        lambda: tree,
+        lambda: _unscale(tree, _unscale_factors(scaling), keep_dtype=True),
+      )
+      # float16 parameters: `inner` runs in float32 on its float32 state.
+      return _widen(tree) if widened else tree
+    # The step runs only on finite gradients, except under `jax.vmap` with
+    # a flag per member, where both branches run: there, where it can be
+    # seen (`zero`, below), the inner optimizer is fed zeros in place of a
+    # bad member's gradients, never inf or NaN (a select, not a multiply).
+    # Only there: a select per leaf cost an AdamW step of 2000 leaves a
+    # tenth of its compile time.
+    return _unscale(tree, scaling, zero_unless=finite if zero else None)
+
+  extra = {
+    k: unscaled(v) if k in GRADIENT_EXTRA_ARGS else v for k, v in extra_args.items()
+  }
+  # Widened where they are used: taken from outside `lax.cond`, the float32
+  # params would be written out as one of its operands (in-process A/B,
+  # XLA:CPU, jaxlib 0.12.0.1, 10M bfloat16 AdamW: tx.update + apply_updates
+  # 1.14x of bare widened here, 1.34x widened outside; apply_gradients
+  # 0.73x and 0.76x).
+  inner_params = _widen(params) if widened else params
+  widened_state = _widen(inner_state) if widened else inner_state
+  new_updates, new_state = inner.update(
+    unscaled(updates), widened_state, inner_params, **extra
+  )
+  if widened:
+    # The updates in the dtypes bare `inner` gives for these parameters
+    # (theirs; without params, the gradients'), so that any
+    # `apply_updates`, `p + u` included, keeps the parameters' dtypes.
+    like = params if _same_structure(params, new_updates) else updates
+    new_updates = _like(new_updates, like)
+  return new_updates, _like(new_state, inner_state)
+
+
+def _agree(fn: str, finite: jax.Array, axes: tuple) -> jax.Array:
+  """The flag, the same on every replica of `axes` (one scalar collective)."""
+  if not axes:
+    return finite
+  names = axes[0] if len(axes) == 1 else axes
+  return _axes.bound_collective(
+    fn, names, lambda: jax.lax.pmin(finite.astype(jnp.int32), names) > 0
+  )
+
+
+def _widens(rule: _Rule, updates: Any, params: Any) -> bool:
+  """Whether the inner optimizer runs in float32 on wider copies.
+
+  Half-precision gradients are unscaled in float32; the inner optimizer
+  then runs in float32 throughout (its state and the params widened too:
+  some optax optimizers cannot mix dtypes), and its state is stored back in
+  the dtypes it had. `enabled=False` hands `inner` the gradients' own
+  dtypes, exactly `inner`, except for float16 parameters, whose state is
+  float32 either way.
+  """
+  if rule.enabled:
+    return any(_is_half(x) for x in jax.tree_util.tree_leaves((updates, params)))
+  return any(
+    is_inexact(x) and x.dtype == jnp.float16 for x in jax.tree_util.tree_leaves(params)
+  )
+
+
+def _shapes(traced: Any, widened: bool, zero: list[bool]) -> tuple[Any, bool, tuple]:
+  """The inner step's output shapes, whether it may write its state after
+  the updates in a second call (`read_after`: not when it has effects or
+  hands values out, `jax.debug.print`, callbacks, which would run twice),
+  and the axes it communicates over. Sets `zero[0]` where it hands values
+  out: the step is then traced again, with the zeros."""
+  closed, out = jax.make_jaxpr(traced, return_shape=True)()
+  handing_out = _compat.hands_out(closed)
+  if handing_out:
+    zero[0] = True
+  in_order = widened and not (closed.effects or handing_out)
+  in_order = in_order and _compat.order_narrow_writes()
+  return out, in_order, _collectives.communicated_axes(closed)
+
+
+def _staged(finite, apply, zeros, state, operands, in_order):
+  """The staged step: `lax.cond` on `finite`. A skipped step runs no
+  optimizer, a finite one updates the inner state in place
+  (docs/performance.md has the measurements)."""
+  skip = lambda: (zeros(), state.inner_state)
+  if not (in_order and any(_is_half(x) for x in jax.tree.leaves(state.inner_state))):
+    return _axes.cond(finite, apply, skip, operands=operands)
+  # State stored narrower than it is computed (bfloat16 moments) is
+  # written in a second conditional, after the updates are out
+  # (`read_after`), in place: in the first, XLA would copy it (in-process
+  # A/B, XLA:CPU, jaxlib 0.12.0.1, 10M bfloat16 AdamW: tx.update +
+  # apply_updates 1.14x of bare, 1.51x in one conditional). The inner
+  # optimizer's second call reuses its trace, and XLA keeps of each call
+  # only what its conditional returns.
+  new_updates = _axes.cond(
+    finite, lambda: apply()[0], lambda: skip()[0], operands=operands
+  )
+  inner_state = _axes.cond(
+    finite,
+    lambda: apply(read_after(state.inner_state, new_updates)[0])[1],
+    lambda: state.inner_state,
+    operands=(*operands, new_updates),
+  )
+  return new_updates, inner_state
+
+
+def _local_flag(rule: _Rule, given: Any, updates: Any, scale: jax.Array) -> jax.Array:
+  """This replica's finite flag (a `Decision`'s when one is given)."""
+  if not rule.enabled:
+    return jnp.ones([], jnp.bool_)
+  if isinstance(given, Decision):
+    return given.finite
+  return all_finite_times(updates, _check_factor(scale))
+
+
+def _scaling(rule: _Rule, scale: jax.Array, eager: bool) -> Any:
+  """What `_run_inner` unscales by: the reciprocal's factors, or (for
+  `enabled=False`) the scale itself, decided in Python when eager, even
+  where `inner` is traced."""
+  if rule.enabled:
+    return _unscale_factors(scale)
+  return float(scale) if eager else scale
+
+
+def _init_state(fn: str, inner: Any, rule: _Rule, params: Any) -> LossScaleState:
+  # float16 optimizer state underflows (docs/how-it-works.md): float16
+  # parameters get float32 state, with `enabled=False` too, so that a
+  # checkpoint moves between the two with nothing lost.
+  inner_state = inner.init(_widen_float16(params))
+  if states_in(inner_state):
+    raise ValueError(
+      f"`{fn}(inner=...)` already holds a loss-scaling wrapper: two"
+      " `LossScaleState`s would check (and scale) the same gradients, and"
+      " `scale_loss` could not tell which scale to use. Wrap the optimizer"
+      " once."
+    )
+  return LossScaleState(**_init_counters(rule), inner_state=inner_state)
+
+
 def _wrap(
   fn: str,
   inner: optax.GradientTransformation,
@@ -616,109 +775,15 @@ def _wrap(
   _check_inner(fn, inner)
   inner = optax.with_extra_args_support(inner)
 
-  def run_apply(
-    updates, scaling, finite, inner_state, params, extra_args, widened, zero
-  ):
-    """The inner optimizer's step on the unscaled gradients (`finite` false
-    and `zero`: on zeros), its state kept in the dtypes it had. `scaling` is
-    the loss scale (`enabled=False`) or `_unscale_factors` of it."""
+  run_apply = functools.partial(_run_inner, inner, rule)
 
-    def unscaled(tree):
-      # Computed where it is used, not shared with the decision: XLA fuses
-      # it into the inner optimizer, and the check into its reduction, so no
-      # param-sized unscaled copy is ever written (sharing one made
-      # `lax.cond` take it as a materialized operand).
-      tree = numbers_as_arrays(tree)
-      if not rule.enabled:
-        # A `lax.cond`, not a multiply by 1: the gradients themselves on a
-        # fresh state, so the inner optimizer compiles as it does bare (a
-        # multiply by a traced 1 changed XLA's fusion, and the last bits).
-        if not isinstance(scaling, jax.core.Tracer):  # eager: decided here
-          if scaling == 1:
-            return _widen(tree) if widened else tree
-          tree = _unscale(tree, _unscale_factors(scaling), keep_dtype=True)
-          return _widen(tree) if widened else tree
-        tree = jax.lax.cond(
-          scaling == 1,
-          lambda: tree,
-          lambda: _unscale(tree, _unscale_factors(scaling), keep_dtype=True),
-        )
-        # float16 parameters: `inner` runs in float32 on its float32 state.
-        return _widen(tree) if widened else tree
-      # The step runs only on finite gradients, except under `jax.vmap` with
-      # a flag per member, where both branches run: there, where it can be
-      # seen (`zero`, below), the inner optimizer is fed zeros in place of a
-      # bad member's gradients, never inf or NaN (a select, not a multiply).
-      # Only there: a select per leaf cost an AdamW step of 2000 leaves a
-      # tenth of its compile time.
-      return _unscale(tree, scaling, zero_unless=finite if zero else None)
-
-    extra = {
-      k: unscaled(v) if k in GRADIENT_EXTRA_ARGS else v for k, v in extra_args.items()
-    }
-    # Widened where they are used: taken from outside `lax.cond`, the float32
-    # params would be written out as one of its operands (in-process A/B,
-    # XLA:CPU, jaxlib 0.12.0.1, 10M bfloat16 AdamW: tx.update + apply_updates
-    # 1.14x of bare widened here, 1.34x widened outside; apply_gradients
-    # 0.73x and 0.76x).
-    inner_params = _widen(params) if widened else params
-    widened_state = _widen(inner_state) if widened else inner_state
-    new_updates, new_state = inner.update(
-      unscaled(updates), widened_state, inner_params, **extra
-    )
-    if widened:
-      # The updates in the dtypes bare `inner` gives for these parameters
-      # (theirs; without params, the gradients'), so that any
-      # `apply_updates`, `p + u` included, keeps the parameters' dtypes.
-      like = params if _same_structure(params, new_updates) else updates
-      new_updates = _like(new_updates, like)
-    return new_updates, _like(new_state, inner_state)
-
-  # Traced once per step however often a step asks for it (lossscale/_once.py):
-  # for the output shapes, in a conditional, for the state in a second call
-  # (`apply_gradients`' passes find the step by its gradients, which the
-  # `Decision` carries). A new step traces `inner` anew, as a new `jax.jit`
-  # of the bare optimizer does, so Python state it reads (a learning rate
-  # changed between two jitted steps) is read anew. `enabled=False` calls
-  # `inner` as it is, to be exactly it; outside any staged trace, `inner`
-  # runs op by op, as it does bare. Output shapes alone, for eager steps,
-  # come from one trace per argument types.
-  step_traces: list[Any] = [None, None]  # a weak reference to the step's key, its trace
+  # The inner step traced once per step (the speed layer's trace sharing,
+  # lossscale/_once.py); `enabled=False` calls `inner` as it is, to be
+  # exactly it. Output shapes alone, for eager steps, come from one trace
+  # per argument types.
+  per_step = _once.PerStep(run_apply) if rule.enabled else None
   shapes_traced = _once.once(run_apply) if rule.enabled else run_apply
-
-  def traced_for(updates: Any) -> Any:
-    if not rule.enabled or not _speed.on():
-      return run_apply
-    arrays = [x for x in jax.tree_util.tree_leaves(updates) if is_array(x)]
-    key = arrays[0] if arrays else None
-    ref, traced = step_traces
-    if traced is None or key is None or ref is None or ref() is not key:
-      traced = _once.once(run_apply)
-      step_traces[:] = [None if key is None else weakref.ref(key), traced]
-    return traced
-
-  def init_fn(params):
-    # float16 optimizer state underflows (docs/how-it-works.md): float16
-    # parameters get float32 state, with `enabled=False` too, so that a
-    # checkpoint moves between the two with nothing lost.
-    inner_state = inner.init(_widen_float16(params))
-    if states_in(inner_state):
-      raise ValueError(
-        f"`{fn}(inner=...)` already holds a loss-scaling wrapper: two"
-        " `LossScaleState`s would check (and scale) the same gradients, and"
-        " `scale_loss` could not tell which scale to use. Wrap the optimizer"
-        " once."
-      )
-    return LossScaleState(**_init_counters(rule), inner_state=inner_state)
-
-  def agree(finite, axes):
-    """The flag, the same on every replica of `axes` (one scalar collective)."""
-    if not axes:
-      return finite
-    names = axes[0] if len(axes) == 1 else axes
-    return _axes.bound_collective(
-      fn, names, lambda: jax.lax.pmin(finite.astype(jnp.int32), names) > 0
-    )
+  init_fn = functools.partial(_init_state, fn, inner, rule)
 
   def update_fn(updates, state, params=None, **extra_args):
     given = extra_args.pop(DECISION, _ORDINARY)
@@ -736,12 +801,7 @@ def _wrap(
     updates = numbers_as_arrays(updates)
     scale = state.loss_scale  # the one the loss was multiplied by
 
-    if not rule.enabled:
-      finite = jnp.ones([], jnp.bool_)
-    elif isinstance(given, Decision):
-      finite = given.finite
-    else:
-      finite = all_finite_times(updates, _check_factor(scale))  # this replica's
+    finite = _local_flag(rule, given, updates, scale)
 
     # Called outside any trace (the flag is concrete: no enclosing
     # transformation stages its computation), the step is decided in Python
@@ -753,26 +813,12 @@ def _wrap(
     # Staged (`jax.jit`, a conditional, `make_jaxpr`): one trace per step.
     # Not staged but batched (an eager `jax.vmap` with a flag per member):
     # op by op too, the conditional's branches traced anew on each call.
-    run = traced_for(updates) if _compat.staging() else run_apply
+    staged = per_step is not None and _compat.staging()
+    run = per_step.traced_for(updates) if staged else run_apply
 
-    # Half-precision gradients are unscaled in float32; the inner optimizer
-    # then runs in float32 throughout (its state and the params widened too:
-    # some optax optimizers cannot mix dtypes), and its state is stored back
-    # in the dtypes it had. `enabled=False` hands `inner` the gradients' own
-    # dtypes, exactly `inner`, except for float16 parameters, whose state is
-    # float32 either way.
-    if rule.enabled:
-      widened = any(_is_half(x) for x in jax.tree_util.tree_leaves((updates, params)))
-    else:
-      widened = any(
-        is_inexact(x) and x.dtype == jnp.float16
-        for x in jax.tree_util.tree_leaves(params)
-      )
+    widened = _widens(rule, updates, params)
 
-    if rule.enabled:
-      scaling = _unscale_factors(scale)
-    else:  # decided in Python when eager, even where `inner` is traced
-      scaling = float(scale) if eager else scale
+    scaling = _scaling(rule, scale, eager)
 
     # Zeros for a bad member's gradients where both branches of the step's
     # conditional run and something could see them: under a `jax.vmap`
@@ -801,18 +847,7 @@ def _wrap(
     if rule.enabled and params is not None:
       _check_gradients(fn, updates, params, state.inner_state, apply)
 
-    def shapes():
-      # The output shapes, and whether the inner optimizer writes the state
-      # after the updates in a second call (`read_after`): not when it has
-      # effects or hands values out (`jax.debug.print`, callbacks), which
-      # would run twice.
-      closed, out = jax.make_jaxpr(traced, return_shape=True)()
-      handing_out = _compat.hands_out(closed)
-      if handing_out:
-        zero[0] = True  # the step is traced again, with the zeros
-      in_order = widened and not (closed.effects or handing_out)
-      in_order = in_order and _compat.order_narrow_writes()
-      return out, in_order, _collectives.communicated_axes(closed)
+    shapes = functools.partial(_shapes, traced, widened, zero)
 
     traced_step = rule.enabled and isinstance(finite, jax.core.Tracer)
     out = in_order = None
@@ -822,9 +857,9 @@ def _wrap(
       # is reduced over its axes too. The trace is the step's own (`_once`).
       out, in_order, inner_axes = shapes()
       axes = _collectives.union(axes, inner_axes)
-      finite = agree(finite, axes)
+      finite = _agree(fn, finite, axes)
     elif rule.enabled and not isinstance(given, Decision):
-      finite = agree(finite, axes)
+      finite = _agree(fn, finite, axes)
 
     if decide_only:
       if out is None:
@@ -842,31 +877,11 @@ def _wrap(
         zeros = jax.tree.map(_host_zeros, jax.eval_shape(traced)[0])
         new_updates, inner_state = zeros, state.inner_state
     elif given is _ORDINARY and rule.enabled:
-      # `lax.cond`: a skipped step runs no optimizer, a finite one updates
-      # the inner state in place (docs/performance.md has the measurements).
       operands = (updates, state, params)
-      skip = lambda: (_zeros(out[0]), state.inner_state)
-      if not (
-        in_order and any(_is_half(x) for x in jax.tree.leaves(state.inner_state))
-      ):
-        new_updates, inner_state = _axes.cond(finite, apply, skip, operands=operands)
-      else:
-        # State stored narrower than it is computed (bfloat16 moments) is
-        # written in a second conditional, after the updates are out
-        # (`read_after`), in place: in the first, XLA would copy it
-        # (in-process A/B, XLA:CPU, jaxlib 0.12.0.1, 10M bfloat16 AdamW:
-        # tx.update + apply_updates 1.14x of bare, 1.51x in one conditional).
-        # The inner optimizer's second call reuses its trace, and XLA keeps
-        # of each call only what its conditional returns.
-        new_updates = _axes.cond(
-          finite, lambda: apply()[0], lambda: skip()[0], operands=operands
-        )
-        inner_state = _axes.cond(
-          finite,
-          lambda: apply(read_after(state.inner_state, new_updates)[0])[1],
-          lambda: state.inner_state,
-          operands=(*operands, new_updates),
-        )
+      zeros = lambda: _zeros(out[0])
+      new_updates, inner_state = _staged(
+        finite, apply, zeros, state, operands, in_order
+      )
       # A `cross_shard_mean` chained after the wrapper refuses these unless
       # the decision was reduced over its axis.
       _collectives.mark_per_replica(new_updates, axes)

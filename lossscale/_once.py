@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -95,3 +96,37 @@ def once(fn: Callable[..., Any]) -> Callable[..., Any]:
     return compiled([x for x, a in zip(leaves, arrays_at, strict=True) if a])
 
   return traced_once
+
+
+class PerStep:
+  """`fn` traced once per step (the one cache a wrapper keeps across calls).
+
+  A wrapper's step asks for its inner step several times: for the output
+  shapes, in a conditional, for the state in a second call
+  (`apply_gradients`' passes find the step by its gradients, which the
+  `Decision` carries). `traced_for(updates)` gives the same `once(fn)` for
+  calls on the same first gradient array, and a new one for a new step,
+  which traces `fn` anew, as a new `jax.jit` of the bare optimizer does: so
+  Python state the inner optimizer reads (a learning rate changed between
+  two jitted steps) is read anew (tests/test_plain.py and
+  tests/test_once.py check it). What it keeps is a weak reference to that
+  array and the trace: nothing outlives the step's arrays but one jit
+  cache entry per argument types, replaced by the next step's. With
+  `LOSSSCALE_PLAIN=1` there is no cache: `fn` is traced where it is called.
+  """
+
+  def __init__(self, fn: Callable[..., Any]) -> None:
+    self._fn = fn
+    self._key: Any = None  # a weak reference to the step's first array
+    self._traced: Callable[..., Any] | None = None
+
+  def traced_for(self, updates: Any) -> Callable[..., Any]:
+    if not _speed.on():
+      return self._fn
+    arrays = [x for x in jax.tree_util.tree_leaves(updates) if is_array(x)]
+    key = arrays[0] if arrays else None
+    ref = self._key
+    if self._traced is None or key is None or ref is None or ref() is not key:
+      self._traced = once(self._fn)
+      self._key = None if key is None else weakref.ref(key)
+    return self._traced
