@@ -15,6 +15,8 @@ from lossscale._loss_scale import LossScaleState as LossScaleState
 from lossscale._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from lossscale._loss_scale import skip_nonfinite as skip_nonfinite
 from lossscale._loss_scale import static_loss_scale as static_loss_scale
+from lossscale._metrics import step_metrics as step_metrics
+from lossscale._metrics import unscale_gradients as unscale_gradients
 from lossscale._precision import Float16RangeReport as Float16RangeReport
 from lossscale._precision import cast_floating as cast_floating
 from lossscale._precision import float16_range_report as float16_range_report
@@ -47,6 +49,8 @@ __all__ = [
   "skip_nonfinite",
   "static_loss_scale",
   "step_applied",
+  "step_metrics",
+  "unscale_gradients",
   "value_and_grad",
   "where_applied",
   "with_compute_dtype",
