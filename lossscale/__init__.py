@@ -15,6 +15,7 @@ from lossscale._loss_scale import LossScaleState as LossScaleState
 from lossscale._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from lossscale._loss_scale import skip_nonfinite as skip_nonfinite
 from lossscale._loss_scale import static_loss_scale as static_loss_scale
+from lossscale._loss_scale import upgrade_state as upgrade_state
 from lossscale._precision import Float16RangeReport as Float16RangeReport
 from lossscale._precision import cast_floating as cast_floating
 from lossscale._precision import float16_range_report as float16_range_report
@@ -47,6 +48,7 @@ __all__ = [
   "skip_nonfinite",
   "static_loss_scale",
   "step_applied",
+  "upgrade_state",
   "value_and_grad",
   "where_applied",
   "with_compute_dtype",
