@@ -188,7 +188,7 @@ def _check_floor(
       raise LossScaleStalledError(
         f"An overflow would have backed off a loss scale already at its"
         f" min_scale ({int(hits.max())} such overflows; the scale is now"
-        f" {float(scales.min()):g}): the loss scale cannot decrease any more"
+        f" {float(np.min(scales)):g}): the loss scale cannot decrease any more"
         " (check_not_stalled(at_min_scale=True), DeepSpeed's"
         " raise_error_at_min_scale). The gradients overflow even at the"
         " lowest scale allowed: see the Troubleshooting page of the lossscale"
@@ -198,9 +198,10 @@ def _check_floor(
     skipped = np.logical_not(_concrete(fn, "state", state.last_finite))
     low = np.logical_and(skipped, scales <= np.float32(scale_at_most))
     if low.any():
+      low_scales = np.broadcast_to(scales, low.shape)[low]
       raise LossScaleStalledError(
         f"The last step overflowed and left the loss scale at"
-        f" {float(scales[low].min()):g}, at or below"
+        f" {float(np.min(low_scales)):g}, at or below"
         f" scale_at_most={scale_at_most:g} (fairseq's min_loss_scale). The"
         " loss is probably exploding: lower the learning rate, clip the"
         " gradients or enlarge the batch; see the Troubleshooting page of the"

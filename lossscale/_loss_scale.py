@@ -224,7 +224,7 @@ def _dynamic_counters(
     optax.safe_increment(state.overflows_since_backoff),
   )
   if rule.tolerance > 0.0:  # 0: every overflow backs off (the ratio is >= 0)
-    ratio = overflows.astype(f32) / steps.astype(f32)
+    ratio = jnp.asarray(overflows, f32) / jnp.asarray(steps, f32)
     back_off = jnp.logical_and(back_off, ratio >= f32(rule.tolerance))
   if rule.reset_hysteresis_on_backoff:
     h_after_overflow = jnp.where(back_off, refill, h_after_overflow)
