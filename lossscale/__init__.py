@@ -15,6 +15,7 @@ from lossscale._loss_scale import LossScaleState as LossScaleState
 from lossscale._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from lossscale._loss_scale import skip_nonfinite as skip_nonfinite
 from lossscale._loss_scale import static_loss_scale as static_loss_scale
+from lossscale._loss_scale import upgrade_state as upgrade_state
 from lossscale._metrics import step_metrics as step_metrics
 from lossscale._metrics import unscale_gradients as unscale_gradients
 from lossscale._precision import Float16RangeReport as Float16RangeReport
@@ -51,6 +52,7 @@ __all__ = [
   "step_applied",
   "step_metrics",
   "unscale_gradients",
+  "upgrade_state",
   "value_and_grad",
   "where_applied",
   "with_compute_dtype",

@@ -48,6 +48,8 @@ def check_not_stalled(
   *,
   max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
   min_scale: float | None = None,
+  at_min_scale: bool = False,
+  scale_at_most: float | None = None,
 ) -> None:
   """Raises `LossScaleStalledError` when too many steps in a row were skipped.
 
@@ -63,7 +65,13 @@ def check_not_stalled(
   ```
 
   It raises once `consecutive_skips >= max_consecutive_skips`; for a state
-  batched with `jax.vmap` (an ensemble), when any member has stalled.
+  batched with `jax.vmap` (an ensemble), when any member has stalled. Two
+  more triggers stop a run where DeepSpeed and fairseq stop theirs
+  ([Coming from PyTorch][stopping-where-deepspeed-and-fairseq-stop]):
+  `at_min_scale=True` (DeepSpeed's `raise_error_at_min_scale`) raises once an
+  overflow would have backed off a scale already at the wrapper's
+  `min_scale`, and `scale_at_most=x` (fairseq's `min_loss_scale`) raises when
+  the last step overflowed and left the scale at or below `x`.
 
   Args:
     x: an optimizer state with a [`lossscale.LossScaleState`][] nested
@@ -75,13 +83,23 @@ def check_not_stalled(
     min_scale: the wrapper's `min_scale`, if known; only used to say in the
       message whether the scale is pinned at its floor (the state does not
       record it).
+    at_min_scale: also raise once the state has counted an overflow that
+      would have backed off a scale already at `min_scale`
+      (`overflows_at_min_scale > 0`): DeepSpeed's `raise_error_at_min_scale`,
+      on the same step when checked after every step.
+    scale_at_most: also raise when the last step was skipped and the scale
+      it left is at or below this, a positive float: fairseq's
+      `min_loss_scale` (fairseq then restores the scale before; the run
+      stops either way).
 
   Raises:
-    LossScaleStalledError: when `consecutive_skips >= max_consecutive_skips`.
-      The message gives the numbers (consecutive and total skips, the
-      current scale) and the likely causes.
-    ValueError: for an invalid `max_consecutive_skips` or `min_scale`, or
-      when `x` does not hold exactly one `LossScaleState`.
+    LossScaleStalledError: when `consecutive_skips >= max_consecutive_skips`,
+      or a trigger of `at_min_scale` or `scale_at_most` fires. The message
+      gives the numbers (consecutive and total skips, the current scale) and
+      the likely causes.
+    ValueError: for an invalid `max_consecutive_skips`, `min_scale`,
+      `at_min_scale` or `scale_at_most`, or when `x` does not hold exactly
+      one `LossScaleState`.
     TypeError: when called on traced values (inside `jax.jit`).
 
   Examples:
@@ -107,7 +125,11 @@ def check_not_stalled(
   )
   if min_scale is not None:
     min_scale = _validation.float32_scale(fn, "min_scale", min_scale)
+  at_min_scale = _validation.boolean(fn, "at_min_scale", at_min_scale)
+  if scale_at_most is not None:
+    scale_at_most = _validation.positive_finite(fn, "scale_at_most", scale_at_most)
   state = find_state(x)
+  _check_floor(fn, state, at_min_scale, scale_at_most)
   consecutive = _concrete(fn, "state", state.consecutive_skips)
   worst = int(consecutive.max(initial=0))
   if worst < max_consecutive_skips:
@@ -153,6 +175,38 @@ def check_not_stalled(
     " (compute the loss and its reductions in float32). See the"
     " Troubleshooting page of the lossscale docs."
   )
+
+
+def _check_floor(
+  fn: str, state: Any, at_min_scale: bool, scale_at_most: float | None
+) -> None:
+  """The DeepSpeed (`at_min_scale`) and fairseq (`scale_at_most`) triggers."""
+  scales = _concrete(fn, "state", state.loss_scale).astype(np.float32)
+  if at_min_scale:
+    hits = _concrete(fn, "state", state.overflows_at_min_scale)
+    if int(hits.max(initial=0)) > 0:
+      raise LossScaleStalledError(
+        f"An overflow would have backed off a loss scale already at its"
+        f" min_scale ({int(hits.max())} such overflows; the scale is now"
+        f" {float(np.min(scales)):g}): the loss scale cannot decrease any more"
+        " (check_not_stalled(at_min_scale=True), DeepSpeed's"
+        " raise_error_at_min_scale). The gradients overflow even at the"
+        " lowest scale allowed: see the Troubleshooting page of the lossscale"
+        " docs."
+      )
+  if scale_at_most is not None:
+    skipped = np.logical_not(_concrete(fn, "state", state.last_finite))
+    low = np.logical_and(skipped, scales <= np.float32(scale_at_most))
+    if low.any():
+      low_scales = np.broadcast_to(scales, low.shape)[low]
+      raise LossScaleStalledError(
+        f"The last step overflowed and left the loss scale at"
+        f" {float(np.min(low_scales)):g}, at or below"
+        f" scale_at_most={scale_at_most:g} (fairseq's min_loss_scale). The"
+        " loss is probably exploding: lower the learning rate, clip the"
+        " gradients or enlarge the batch; see the Troubleshooting page of the"
+        " lossscale docs."
+      )
 
 
 def nonfinite_leaves(tree: Any) -> dict[str, int]:

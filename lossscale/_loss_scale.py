@@ -87,7 +87,19 @@ class LossScaleState(NamedTuple):
     last_finite: bool, whether the last step's gradients were finite, that is
       whether its update was applied (`True` before the first step;
       [`lossscale.flax.TrainState`][] reads it).
+    steps_since_rescale: int32, steps (applied or skipped) since the scale
+      last grew or backed off, this one included (fairseq's
+      `iter - last_rescale_iter`; the `tolerance` rule reads it).
+    overflows_since_backoff: int32, skipped steps since the scale last backed
+      off (a growth does not reset it, as in fairseq).
+    overflows_at_min_scale: int32, total number of overflows that would have
+      backed off a scale already at `min_scale` (DeepSpeed raises on the
+      first; see [`lossscale.check_not_stalled`][]'s `at_min_scale`).
     inner_state: the wrapped optimizer's state, untouched on skipped steps.
+
+  Every wrapper's state has all these fields, whatever its configuration, so
+  one checkpoint restores into any of them. A state saved before the last
+  three fields existed converts with [`lossscale.upgrade_state`][].
   """
 
   loss_scale: jax.Array
@@ -96,6 +108,9 @@ class LossScaleState(NamedTuple):
   skipped_steps: jax.Array
   consecutive_skips: jax.Array
   last_finite: jax.Array
+  steps_since_rescale: jax.Array
+  overflows_since_backoff: jax.Array
+  overflows_at_min_scale: jax.Array
   inner_state: optax.OptState
 
 
@@ -151,6 +166,9 @@ class _Rule:
   backoff_factor: float = 1.0
   hysteresis: int = 1
   reset_hysteresis_on_backoff: bool = False
+  consecutive_hysteresis: bool = False  # refill `h` on every finite step
+  growth_delay: int = 0  # extra good steps before the first growth
+  tolerance: float = 0.0  # fairseq: back off once overflows/steps >= this
   min_scale: float = 1.0
   max_scale: float = 1.0
 
@@ -165,6 +183,9 @@ def _init_counters(rule: _Rule) -> dict[str, jax.Array]:
     skipped_steps=jnp.zeros([], jnp.int32),
     consecutive_skips=jnp.zeros([], jnp.int32),
     last_finite=jnp.ones([], jnp.bool_),
+    steps_since_rescale=jnp.zeros([], jnp.int32),
+    overflows_since_backoff=jnp.zeros([], jnp.int32),
+    overflows_at_min_scale=jnp.zeros([], jnp.int32),
   )
 
 
@@ -196,20 +217,42 @@ def _next_counters(
     skipped_steps=skipped,
     consecutive_skips=consecutive,
     last_finite=jnp.asarray(finite, jnp.bool_),
+    steps_since_rescale=state.steps_since_rescale,
+    overflows_since_backoff=state.overflows_since_backoff,
+    overflows_at_min_scale=state.overflows_at_min_scale,
   )
-  if not rule.dynamic:
-    return counters
+  if rule.dynamic:
+    counters.update(_dynamic_counters(rule, state, finite, good))
+  return counters
 
+
+def _dynamic_counters(
+  rule: _Rule, state: LossScaleState, finite: jax.Array, good: jax.Array
+) -> dict[str, jax.Array]:
+  """The counters a dynamic rule moves, `good` being the good steps counted
+  with this step."""
+  f32, i32 = jnp.float32, jnp.int32
+  zero = jnp.zeros([], i32)
   scale = state.loss_scale
-  refill = jnp.asarray(rule.hysteresis, jnp.int32)
+  refill = jnp.asarray(rule.hysteresis, i32)
   # A restored state may have more overflows left than this rule tolerates.
   h_left = jnp.minimum(state.hysteresis_left, refill)
-  grow = jnp.logical_and(finite, good >= rule.growth_interval)
+  grow = jnp.logical_and(finite, good >= rule.growth_interval + rule.growth_delay)
   # Saturates at 0 instead of wrapping; the back-off test `<= 0` is unchanged.
   h_after_overflow = jnp.maximum(h_left - 1, zero)
   back_off = jnp.logical_and(jnp.logical_not(finite), h_after_overflow <= 0)
+  steps = optax.safe_increment(state.steps_since_rescale)  # this step counts
+  overflows = jnp.where(
+    finite,
+    state.overflows_since_backoff,
+    optax.safe_increment(state.overflows_since_backoff),
+  )
+  if rule.tolerance > 0.0:  # 0: every overflow backs off (the ratio is >= 0)
+    ratio = jnp.asarray(overflows, f32) / jnp.asarray(steps, f32)
+    back_off = jnp.logical_and(back_off, ratio >= f32(rule.tolerance))
   if rule.reset_hysteresis_on_backoff:
     h_after_overflow = jnp.where(back_off, refill, h_after_overflow)
+  h_finite = refill if rule.consecutive_hysteresis else jnp.where(grow, refill, h_left)
   product = scale * f32(rule.growth_factor)
   # A product past the float32 range keeps the scale (TF 1.x, TF 2.x, torch).
   grown = jnp.where(
@@ -217,14 +260,19 @@ def _next_counters(
   )
   shrunk = jnp.maximum(scale * f32(rule.backoff_factor), f32(rule.min_scale))
   new_scale = jnp.where(grow, grown, jnp.where(back_off, shrunk, scale))
-  counters.update(
+  at_min = jnp.logical_and(back_off, scale <= f32(rule.min_scale))
+  return dict(
     loss_scale=jnp.clip(new_scale, f32(rule.min_scale), f32(rule.max_scale)),
-    good_steps=jnp.where(grow, zero, good),
-    hysteresis_left=jnp.where(
-      finite, jnp.where(grow, refill, h_left), h_after_overflow
+    good_steps=jnp.where(grow, jnp.asarray(rule.growth_delay, i32), good),
+    hysteresis_left=jnp.where(finite, h_finite, h_after_overflow),
+    steps_since_rescale=jnp.where(jnp.logical_or(grow, back_off), zero, steps),
+    overflows_since_backoff=jnp.where(back_off, zero, overflows),
+    overflows_at_min_scale=jnp.where(
+      at_min,
+      optax.safe_increment(state.overflows_at_min_scale),
+      state.overflows_at_min_scale,
     ),
   )
-  return counters
 
 
 def _widen(tree: Any) -> Any:
@@ -906,6 +954,9 @@ def dynamic_loss_scale(
   max_scale: float = 2.0**24,
   axis_name: _axes.AxisName | None = None,
   reset_hysteresis_on_backoff: bool = False,
+  consecutive_hysteresis: bool = False,
+  growth_delay: int = 0,
+  tolerance: float = 0.0,
   enabled: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` with dynamic loss scaling and skip-on-overflow.
@@ -965,6 +1016,17 @@ def dynamic_loss_scale(
       training][wherever-the-collective-stands]).
     reset_hysteresis_on_backoff: refill `h` after each back-off too, so the
       scale backs off on every `hysteresis`-th overflow since it last changed.
+    consecutive_hysteresis: `True`: DeepSpeed's rule (refill on every finite
+      step), so only `hysteresis` overflows *in a row* back the scale off (as
+      Apex's `update_scale_hysteresis`); `False`: refill on growth only.
+    growth_delay: extra finite steps before the first growth after the start
+      or a skipped step, a non-negative int; later growths come every
+      `growth_interval` finite steps. DeepSpeed's rule is `growth_delay=1`
+      (its first growth comes on the `(scale_window + 1)`-th finite step).
+    tolerance: fairseq's `tolerance`, in `[0, 1)`: an overflow backs the
+      scale off only when the skipped steps since the last back-off, over the
+      steps since the last growth or back-off, are `>= tolerance` (computed
+      in float32). 0 backs off on every overflow; needs `hysteresis=1`.
     enabled: `False` gives exactly `inner` (no scaling, no skipping) with the
       same state structure and dtypes and a loss scale of 1 (a restored
       state's scale is divided out of its first step, then set to 1); float16
@@ -995,9 +1057,12 @@ def dynamic_loss_scale(
 
   References:
     PyTorch `torch.amp.GradScaler` (`hysteresis=1`); Megatron-LM
-    `DynamicGradScaler` (`hysteresis=2`); TensorFlow
+    `DynamicGradScaler` (`hysteresis=2`); DeepSpeed `DynamicLossScaler`
+    (`growth_delay=1`, `consecutive_hysteresis`); fairseq
+    `DynamicLossScaler` (`tolerance`); TensorFlow
     `ExponentialUpdateLossScaleManager` (`reset_hysteresis_on_backoff=True`);
-    Micikevicius et al., "Mixed Precision Training", ICLR 2018.
+    Micikevicius et al., "Mixed Precision Training", ICLR 2018. The settings
+    that reproduce each: [Coming from PyTorch][settings-scaler-by-scaler].
   """
   fn = "dynamic_loss_scale"
   v = _validation
@@ -1010,13 +1075,20 @@ def dynamic_loss_scale(
     )
   initial_scale = v.float32_scale(fn, "initial_scale", initial_scale)
   if not min_scale <= initial_scale <= max_scale:
+    hint = (
+      f" Raise max_scale too (max_scale={initial_scale!r} or more): the"
+      " default max_scale is 2**24, below DeepSpeed's and Megatron-LM's class"
+      " default initial scale of 2**32."
+      if initial_scale > max_scale
+      else " Lower min_scale too."
+    )
     raise ValueError(
       f"`{fn}(initial_scale=...)` must lie within [min_scale, max_scale] ="
-      f" [{min_scale!r}, {max_scale!r}], got {initial_scale!r}."
+      f" [{min_scale!r}, {max_scale!r}], got {initial_scale!r}.{hint}"
     )
-  rule = _Rule(
+  rule = _policy_rule(
+    fn,
     initial_scale=initial_scale,
-    dynamic=True,
     growth_interval=v.positive_int(fn, "growth_interval", growth_interval),
     growth_factor=v.at_least_one(fn, "growth_factor", growth_factor),
     backoff_factor=v.in_unit_interval(fn, "backoff_factor", backoff_factor),
@@ -1024,10 +1096,33 @@ def dynamic_loss_scale(
     reset_hysteresis_on_backoff=v.boolean(
       fn, "reset_hysteresis_on_backoff", reset_hysteresis_on_backoff
     ),
+    consecutive_hysteresis=v.boolean(
+      fn, "consecutive_hysteresis", consecutive_hysteresis
+    ),
+    growth_delay=v.non_negative_int(fn, "growth_delay", growth_delay),
+    tolerance=v.fraction_below_one(fn, "tolerance", tolerance),
     min_scale=min_scale,
     max_scale=max_scale,
   )
   return _build(fn, inner, rule, axis_name, enabled)
+
+
+def _policy_rule(fn: str, **settings: Any) -> _Rule:
+  """The dynamic `_Rule`, after the checks that involve two settings."""
+  rule = _Rule(dynamic=True, **settings)
+  if rule.growth_interval + rule.growth_delay > _validation.INT32_MAX:
+    raise ValueError(
+      f"`{fn}(growth_interval=..., growth_delay=...)` need growth_interval +"
+      f" growth_delay <= {_validation.INT32_MAX} (the good-step counter"
+      f" saturates there), got {rule.growth_interval} + {rule.growth_delay}."
+    )
+  if rule.tolerance > 0.0 and rule.hysteresis > 1:
+    raise ValueError(
+      f"`{fn}(tolerance=..., hysteresis=...)` are two back-off policies"
+      " (fairseq's and Megatron-LM's or DeepSpeed's): set one, got"
+      f" tolerance={rule.tolerance!r} with hysteresis={rule.hysteresis!r}."
+    )
+  return rule
 
 
 def _build(fn, inner, rule, axis_name, enabled):
@@ -1129,3 +1224,80 @@ def skip_nonfinite(
   fn = "skip_nonfinite"
   rule = _Rule(initial_scale=1.0, dynamic=False)
   return _build(fn, inner, rule, axis_name, True)
+
+
+def _is_earlier_layout(x: Any) -> bool:
+  """A NamedTuple with a subset of `LossScaleState`'s fields, `loss_scale`
+  and `inner_state` among them, that is not a `LossScaleState`."""
+  fields = getattr(x, "_fields", None)
+  return (
+    isinstance(x, tuple)
+    and not isinstance(x, LossScaleState)
+    and fields is not None
+    and {"loss_scale", "inner_state"} <= set(fields) < set(LossScaleState._fields)
+  )
+
+
+def upgrade_state(tree: Any) -> Any:
+  """Converts the loss-scaling states of an earlier layout in `tree`.
+
+  [`lossscale.LossScaleState`][] gained fields over time: `last_finite` after
+  lossscale 0.1.0, then `steps_since_rescale`, `overflows_since_backoff` and
+  `overflows_at_min_scale`. A checkpoint written before does not restore
+  into the new structure: restore it into a NamedTuple with the fields it
+  was written with (in their order) and pass the result here. Every such
+  NamedTuple in `tree` (nested in a chain or a `TrainState` too) becomes a
+  `LossScaleState` with its values, and with the fields it lacks as a fresh
+  state holds them (`last_finite` True, the new counters 0), shaped like its
+  `good_steps` (a batched state stays batched). Everything else in `tree` is
+  returned as it is. [Checkpointing][checkpoints-written-by-earlier-versions]
+  has the orbax recipe.
+
+  Args:
+    tree: a pytree holding states of an earlier layout: NamedTuples whose
+      fields are some of `LossScaleState`'s, `loss_scale` and `inner_state`
+      among them.
+
+  Returns:
+    `tree` with each of those replaced by a `LossScaleState`.
+
+  Examples:
+    >>> from typing import Any, NamedTuple
+    >>> import jax.numpy as jnp, optax
+    >>> import lossscale as ls
+    >>> class LossScaleState01(NamedTuple):  # lossscale 0.1.0's fields
+    ...   loss_scale: Any
+    ...   good_steps: Any
+    ...   hysteresis_left: Any
+    ...   skipped_steps: Any
+    ...   consecutive_skips: Any
+    ...   inner_state: Any
+    >>> tx = ls.dynamic_loss_scale(optax.sgd(0.1))
+    >>> s = tx.init({"w": jnp.zeros(2)})
+    >>> old = LossScaleState01(*s[:5], s.inner_state)  # as restored
+    >>> new = ls.upgrade_state(old)
+    >>> type(new).__name__, new.last_finite, new.steps_since_rescale
+    ('LossScaleState', Array(True, dtype=bool), Array(0, dtype=int32))
+  """
+
+  def convert(x: Any) -> Any:
+    if not _is_earlier_layout(x):
+      return x
+    values = x._asdict()
+    like = jnp.asarray(values["good_steps"]) if "good_steps" in values else None
+    fresh = lambda dtype, fill: jnp.full(
+      [] if like is None else like.shape, fill, dtype
+    )
+    defaults = dict(
+      good_steps=fresh(jnp.int32, 0),
+      hysteresis_left=fresh(jnp.int32, 1),
+      skipped_steps=fresh(jnp.int32, 0),
+      consecutive_skips=fresh(jnp.int32, 0),
+      last_finite=fresh(jnp.bool_, True),
+      steps_since_rescale=fresh(jnp.int32, 0),
+      overflows_since_backoff=fresh(jnp.int32, 0),
+      overflows_at_min_scale=fresh(jnp.int32, 0),
+    )
+    return LossScaleState(**(defaults | values))
+
+  return jax.tree.map(convert, tree, is_leaf=_is_earlier_layout)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _INT32_MAX = 2**31 - 1
+INT32_MAX = _INT32_MAX  # where the int32 counters saturate
 _F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)  # 2**-126
 
 
@@ -74,8 +75,27 @@ def in_unit_interval(fn: str, name: str, value: Any) -> float:
   return v
 
 
+def fraction_below_one(fn: str, name: str, value: Any) -> float:
+  """Checks `0 <= value < 1`."""
+  v = _concrete_number(fn, name, value)
+  if not (0.0 <= v < 1.0):
+    raise ValueError(
+      f"`{fn}({name}=...)` must be in the interval [0, 1), got {value!r}."
+    )
+  return v
+
+
+def non_negative_int(fn: str, name: str, value: Any) -> int:
+  """Accepts Python, NumPy and concrete JAX integer scalars in [0, 2**31 - 1]."""
+  return _int_at_least(fn, name, value, 0, "a non-negative int")
+
+
 def positive_int(fn: str, name: str, value: Any) -> int:
   """Accepts Python, NumPy and concrete JAX integer scalars in [1, 2**31 - 1]."""
+  return _int_at_least(fn, name, value, 1, "a positive int")
+
+
+def _int_at_least(fn: str, name: str, value: Any, lowest: int, kind: str) -> int:
   v = None
   if isinstance(value, numbers.Integral) and not isinstance(value, bool):
     v = int(value)
@@ -89,11 +109,10 @@ def positive_int(fn: str, name: str, value: Any) -> int:
     ):
       v = int(value)
   if v is None:
-    raise ValueError(f"`{fn}({name}=...)` must be a positive int, got {value!r}.")
-  if not 1 <= v <= _INT32_MAX:
+    raise ValueError(f"`{fn}({name}=...)` must be {kind}, got {value!r}.")
+  if not lowest <= v <= _INT32_MAX:
     raise ValueError(
-      f"`{fn}({name}=...)` must be a positive int no larger than"
-      f" {_INT32_MAX}, got {value!r}."
+      f"`{fn}({name}=...)` must be {kind} no larger than {_INT32_MAX}, got {value!r}."
     )
   return v
 

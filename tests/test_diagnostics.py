@@ -282,3 +282,67 @@ def test_finds_nan_in_optimizer_state_and_pmap_sharded_arrays():
 def test_nonfinite_leaves_inside_jit_is_a_clear_type_error():
   with pytest.raises(TypeError, match="outside the jitted step"):
     jax.jit(ls.nonfinite_leaves)({"w": jnp.ones(2)})
+
+
+def _skipped(tx, n, params=None):
+  params = {"w": jnp.zeros(2)} if params is None else params
+  state = tx.init(params)
+  for _ in range(n):
+    _, state = jax.jit(tx.update)({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+  return state
+
+
+def test_at_min_scale_raises_on_the_overflow_that_finds_the_scale_at_its_floor():
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=4.0, min_scale=1.0)
+  state = _skipped(tx, 2)  # 4 -> 2 -> 1: reached the floor, no raise yet
+  assert float(state.loss_scale) == 1.0 and int(state.overflows_at_min_scale) == 0
+  ls.check_not_stalled(state, at_min_scale=True)
+  state = _skipped(tx, 3)  # the third overflow found it at 1
+  assert int(state.overflows_at_min_scale) == 1
+  ls.check_not_stalled(state)  # off by default
+  with pytest.raises(ls.LossScaleStalledError, match="already at its min_scale"):
+    ls.check_not_stalled(state, at_min_scale=True)
+  # With hysteresis the held-back overflows do not count.
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=1.0, hysteresis=3)
+  assert int(_skipped(tx, 2).overflows_at_min_scale) == 0
+  assert int(_skipped(tx, 4).overflows_at_min_scale) == 2
+
+
+def test_scale_at_most_raises_after_an_overflow_at_or_below_it():
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=1.0, min_scale=2.0**-20)
+  ls.check_not_stalled(_skipped(tx, 3), scale_at_most=0.1)  # 0.125
+  with pytest.raises(ls.LossScaleStalledError, match=r"scale_at_most=0\.125"):
+    ls.check_not_stalled(_skipped(tx, 3), scale_at_most=0.125)
+  # After a finite step it does not raise (fairseq checks on overflows).
+  state = _skipped(tx, 4)
+  params = {"w": jnp.zeros(2)}
+  _, state = tx.update({"w": jnp.ones(2)}, state, params)
+  ls.check_not_stalled(state, scale_at_most=0.125)
+
+
+def test_batched_floor_triggers_raise_for_any_member():
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=2.0)
+  params = {"w": jnp.zeros((3, 2))}
+  grads = {"w": jnp.ones((3, 2)).at[1, 0].set(jnp.inf)}
+  state = jax.vmap(tx.init)(params)
+  for _ in range(3):
+    _, state = jax.jit(jax.vmap(tx.update))(grads, state, params)
+  np.testing.assert_array_equal(state.overflows_at_min_scale, [0, 2, 0])
+  with pytest.raises(ls.LossScaleStalledError):
+    ls.check_not_stalled(state, at_min_scale=True)
+  with pytest.raises(ls.LossScaleStalledError):
+    ls.check_not_stalled(state, scale_at_most=1.0)
+
+
+@pytest.mark.parametrize(
+  "kwargs,name",
+  [
+    (dict(at_min_scale=1), "at_min_scale"),
+    (dict(scale_at_most=0.0), "scale_at_most"),
+    (dict(scale_at_most=float("nan")), "scale_at_most"),
+  ],
+)
+def test_floor_trigger_settings_are_checked(kwargs, name):
+  state = ls.dynamic_loss_scale(optax.sgd(0.1)).init({"w": jnp.zeros(2)})
+  with pytest.raises(ValueError, match=rf"check_not_stalled\({name}="):
+    ls.check_not_stalled(state, **kwargs)

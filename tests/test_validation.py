@@ -44,6 +44,18 @@ BAD_DYNAMIC = [
   (dict(backoff_factor=NAN), "backoff_factor"),
   (dict(hysteresis=0), "hysteresis"),
   (dict(hysteresis=1.0), "hysteresis"),
+  (dict(consecutive_hysteresis=1), "consecutive_hysteresis"),
+  (dict(consecutive_hysteresis="yes"), "consecutive_hysteresis"),
+  (dict(growth_delay=-1), "growth_delay"),
+  (dict(growth_delay=1.0), "growth_delay"),
+  (dict(growth_delay=True), "growth_delay"),
+  (dict(growth_delay=2**31), "growth_delay"),
+  (dict(growth_interval=2**31 - 1, growth_delay=1), "growth_interval"),
+  (dict(tolerance=-0.1), "tolerance"),
+  (dict(tolerance=1.0), "tolerance"),
+  (dict(tolerance=NAN), "tolerance"),
+  (dict(tolerance="0.25"), "tolerance"),
+  (dict(tolerance=0.25, hysteresis=2), "tolerance"),
   (dict(axis_name=[]), "axis_name"),
   (dict(axis_name=()), "axis_name"),
   (dict(axis_name=""), "axis_name"),
@@ -55,6 +67,28 @@ BAD_DYNAMIC = [
 @pytest.mark.parametrize("kwargs,name", BAD_DYNAMIC)
 def test_invalid_dynamic_configuration(kwargs, name):
   with pytest.raises(ValueError, match=rf"dynamic_loss_scale\({name}="):
+    ls.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
+
+
+def test_initial_scale_above_max_scale_says_to_raise_max_scale():
+  # DeepSpeed's and Megatron-LM's class default initial scale is 2**32.
+  with pytest.raises(
+    ValueError, match=r"Raise max_scale too \(max_scale=4294967296\.0"
+  ):
+    ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=2.0**32)
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=2.0**32, max_scale=2.0**32)
+  assert float(tx.init(jnp.zeros(1)).loss_scale) == 2.0**32
+
+
+def test_policy_settings_accept_their_edges():
+  for kwargs in (
+    dict(growth_delay=0),
+    dict(growth_delay=np.int32(1)),
+    dict(tolerance=0.0),
+    dict(tolerance=np.float32(0.999)),
+    dict(consecutive_hysteresis=np.bool_(True), hysteresis=2),
+    dict(growth_interval=2**31 - 2, growth_delay=1),
+  ):
     ls.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
 
 
