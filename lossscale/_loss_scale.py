@@ -78,7 +78,8 @@ class LossScaleState(NamedTuple):
       `[min_scale, max_scale]`. Multiply the loss by it before differentiating
       ([`lossscale.scale_loss`][]).
     good_steps: int32, consecutive finite steps since the scale last changed
-      or the last skipped step.
+      or the last skipped step (a growth sets it to `growth_delay`, 0 by
+      default).
     hysteresis_left: int32, overflows left until the scale backs off: the
       next non-finite step backs it off when this is 1 (or 0).
     skipped_steps: int32, total number of skipped steps.
@@ -1023,7 +1024,7 @@ def dynamic_loss_scale(
       or a skipped step, a non-negative int; later growths come every
       `growth_interval` finite steps. DeepSpeed's rule is `growth_delay=1`
       (its first growth comes on the `(scale_window + 1)`-th finite step).
-    tolerance: fairseq's `tolerance`, in `[0, 1)`: an overflow backs the
+    tolerance: fairseq's `tolerance`, in `[0, 1]`: an overflow backs the
       scale off only when the skipped steps since the last back-off, over the
       steps since the last growth or back-off, are `>= tolerance` (computed
       in float32). 0 backs off on every overflow; needs `hysteresis=1`.
@@ -1100,7 +1101,7 @@ def dynamic_loss_scale(
       fn, "consecutive_hysteresis", consecutive_hysteresis
     ),
     growth_delay=v.non_negative_int(fn, "growth_delay", growth_delay),
-    tolerance=v.fraction_below_one(fn, "tolerance", tolerance),
+    tolerance=v.fraction(fn, "tolerance", tolerance),
     min_scale=min_scale,
     max_scale=max_scale,
   )

@@ -75,12 +75,12 @@ def in_unit_interval(fn: str, name: str, value: Any) -> float:
   return v
 
 
-def fraction_below_one(fn: str, name: str, value: Any) -> float:
-  """Checks `0 <= value < 1`."""
+def fraction(fn: str, name: str, value: Any) -> float:
+  """Checks `0 <= value <= 1`."""
   v = _concrete_number(fn, name, value)
-  if not (0.0 <= v < 1.0):
+  if not (0.0 <= v <= 1.0):
     raise ValueError(
-      f"`{fn}({name}=...)` must be in the interval [0, 1), got {value!r}."
+      f"`{fn}({name}=...)` must be in the interval [0, 1], got {value!r}."
     )
   return v
 

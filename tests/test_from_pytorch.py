@@ -297,6 +297,7 @@ ROWS = [
   _fairseq_row("fairseq tolerance 0.25", 2.0**7, 3, 0.25),
   _fairseq_row("fairseq tolerance 0.5 threshold", 2.0**4, 2, 0.5, threshold=0.25),
   _fairseq_row("fairseq tolerance 0.05", 2.0**-10, 4, 0.05),
+  _fairseq_row("fairseq tolerance 1", 2.0**5, 2, 1.0),  # every step since overflowed
   Row(
     "megatron",
     lambda: Megatron(2.0**12, 1.0, 2.0, 0.5, 3, 2),

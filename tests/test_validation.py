@@ -52,7 +52,7 @@ BAD_DYNAMIC = [
   (dict(growth_delay=2**31), "growth_delay"),
   (dict(growth_interval=2**31 - 1, growth_delay=1), "growth_interval"),
   (dict(tolerance=-0.1), "tolerance"),
-  (dict(tolerance=1.0), "tolerance"),
+  (dict(tolerance=1.5), "tolerance"),
   (dict(tolerance=NAN), "tolerance"),
   (dict(tolerance="0.25"), "tolerance"),
   (dict(tolerance=0.25, hysteresis=2), "tolerance"),
@@ -86,6 +86,7 @@ def test_policy_settings_accept_their_edges():
     dict(growth_delay=np.int32(1)),
     dict(tolerance=0.0),
     dict(tolerance=np.float32(0.999)),
+    dict(tolerance=1.0),
     dict(consecutive_hysteresis=np.bool_(True), hysteresis=2),
     dict(growth_interval=2**31 - 2, growth_delay=1),
   ):
