@@ -265,3 +265,34 @@ def test_built_conditionals_match_lax_cond_on_odd_outputs():
   # Every conditional was built, none traced again by `lax.cond` (its
   # fallback, for a JAX whose jaxprs this cannot build).
   assert not traced_again
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("path", ["update", "apply_gradients"])
+def test_a_300_leaf_step_builds_every_conditional(path, dtype):
+  # `_split` falls back to `lax.cond` where this JAX builds or binds
+  # jaxprs in a way it does not know: the same step, only slower. This
+  # fails instead, on each supported JAX, for a model-sized AdamW step.
+  params = {k: v.astype(dtype) for k, v in _params(300).items()}
+  tx = ls.dynamic_loss_scale(optax.adamw(1e-3))
+  raised = []
+  build = _split._bind_built_cond
+
+  def recording(*args, **kwargs):
+    try:
+      return build(*args, **kwargs)
+    except Exception as e:
+      raised.append(e)
+      raise
+
+  def step(p, s, g):
+    if path == "update":
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+    return ls.apply_gradients(tx, g, s, p)
+
+  with standard_promotion(), pytest.MonkeyPatch.context() as m:
+    m.setattr(_split, "_bind_built_cond", recording)
+    jaxpr = jax.make_jaxpr(step)(params, tx.init(params), _grads(params, 0))
+  assert not raised, raised[:1]
+  assert len(_conds(jaxpr)) > 1  # split, not one conditional
