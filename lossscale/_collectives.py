@@ -48,12 +48,6 @@ def _is_literal(v: Any) -> bool:
   return hasattr(v, "val") and not hasattr(v, "count")
 
 
-def _has_effects(eqn: Any) -> bool:
-  # Not the mark a collective over a `jax.vmap` axis leaves, which hands
-  # nothing out.
-  return any(type(e).__name__ != "NamedAxisEffect" for e in eqn.effects)
-
-
 def _live_eqns(jaxpr: Any) -> list[Any]:
   """The top-level equations of `jaxpr` whose results are used (or that
   have effects): `make_jaxpr` keeps dead code, such as an all-reduce
@@ -62,7 +56,7 @@ def _live_eqns(jaxpr: Any) -> list[Any]:
   live = {v for v in jaxpr.outvars if not _is_literal(v)}
   kept = []
   for eqn in reversed(jaxpr.eqns):
-    if _has_effects(eqn) or any(v in live for v in eqn.outvars):
+    if _compat.has_effects(eqn) or any(v in live for v in eqn.outvars):
       kept.append(eqn)
       live.update(v for v in eqn.invars if not _is_literal(v))
   return kept

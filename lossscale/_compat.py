@@ -107,6 +107,21 @@ def order_narrow_writes() -> bool:
   return jax.default_backend() == "cpu" and _speed.on()
 
 
+def has_effects(closed: Any) -> bool:
+  """Whether the traced computation `closed` (a `ClosedJaxpr`) has effects
+  (`jax.debug.callback`, `jax.debug.print`, `io_callback`), other than the
+  mark a collective over a `jax.vmap` axis leaves, which does nothing."""
+  return any(type(e).__name__ != "NamedAxisEffect" for e in closed.effects)
+
+
+def jaxpr_as_fun(closed: Any) -> Any:
+  """`closed` (a `ClosedJaxpr`) as a function of its inputs, which binds its
+  equations where it is called (`jax.extend.core`, 0.4.35 to 0.12)."""
+  from jax.extend.core import jaxpr_as_fun
+
+  return jaxpr_as_fun(closed)
+
+
 def hands_out(closed: Any) -> bool:
   """Whether the traced computation `closed` (a `ClosedJaxpr`) hands values
   out of itself: it has effects (`jax.debug.callback`, `jax.debug.print`,
@@ -114,7 +129,7 @@ def hands_out(closed: Any) -> bool:
   which hands nothing out), or calls out, nested calls and branches
   included (a `jax.pure_callback`, which has no effect, a foreign function,
   a custom call)."""
-  if any(type(e).__name__ != "NamedAxisEffect" for e in closed.effects):
+  if has_effects(closed):
     return True
   names = {eqn.primitive.name for eqn in eqns_within(closed.jaxpr)}
   return any("callback" in n or n == "ffi_call" or "custom_call" in n for n in names)

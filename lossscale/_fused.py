@@ -14,6 +14,12 @@ The decision is passed in plain sight, through the wrapper's `update`
    optimizer state as they were, except the wrapper's state, which is
    `decision.skipped`.
 
+Step 1 is traced on its own (`jax.make_jaxpr`) and only its flag is kept,
+so nothing in it runs. A chain with effects (a `jax.debug.callback`) and an
+eager call take the step in one pass instead (`_one_pass`): `tx.update`,
+then the result kept or dropped on the flag the wrapper wrote, so that each
+effect happens once per step.
+
 For a step with many leaves the `lax.cond` is compiled as several small
 ones on the same flag (lossscale/_split.py), which XLA compiles in about
 the bare step's time.
@@ -61,15 +67,47 @@ def _no_decision_error() -> ValueError:
   )
 
 
-def _decide(tx, grads, opt_state, params, extra_args, request=None) -> Decision:
+def _check_holds_one(opt_state: Any) -> None:
   n_states = len(states_in(opt_state))
   if n_states != 1:
     raise _count_error("none" if not n_states else str(n_states))
   check_consulted(opt_state)
-  try:
+
+
+def _decision_in(decided: Any) -> Decision:
+  leaves = jax.tree_util.tree_leaves(decided, is_leaf=_is_decision)
+  decisions = [d for d in leaves if _is_decision(d)]
+  if len(decisions) != 1:
+    if not decisions:
+      raise _no_decision_error()
+    raise _count_error(str(len(decisions)))
+  return decisions[0]
+
+
+def _decide(tx, grads, opt_state, params, extra_args, request=None) -> Decision | None:
+  """The wrapper's decision, from `tx.update(..., lossscale_finite=request)`,
+  or None where that call has effects (a `jax.debug.callback` in the chain).
+
+  The call is traced on its own (`jax.make_jaxpr`) and then evaluated in
+  the step, so that what it computes and does not need is dropped, and
+  nothing it does happens: a chain with effects is stepped in one pass
+  instead (`_one_pass`), so each effect happens once per step."""
+  found: list[Any] = []
+
+  def arrays() -> Any:
     _, decided = tx.update(
       grads, opt_state, params, **extra_args, **{DECISION: request}
     )
+    found.append(decided)
+    d = [d for d in jax.tree_util.tree_leaves(decided, is_leaf=_is_decision)]
+    d = [d for d in d if _is_decision(d)]
+    # Its arrays (flags handed back by a jitted `tx.update` included); its
+    # Python values stay as they are.
+    leaves = jax.tree_util.tree_leaves(d[0]) if len(d) == 1 else []
+    return [x for x in leaves if isinstance(x, jax.Array)]
+
+  try:
+    closed = jax.make_jaxpr(arrays)()
   except (TypeError, ValueError) as e:
     try:  # Does the ordinary step trace? Then the decision request broke it.
       jax.eval_shape(lambda: tx.update(grads, opt_state, params, **extra_args))
@@ -78,13 +116,13 @@ def _decide(tx, grads, opt_state, params, extra_args, request=None) -> Decision:
     if DECISION in str(e):
       raise _no_decision_error() from e
     raise control_flow_error("another transformation") from e
-  decisions = [d for d in jax.tree_util.tree_leaves(decided, is_leaf=_is_decision)]
-  decisions = [d for d in decisions if _is_decision(d)]
-  if len(decisions) != 1:
-    if not decisions:
-      raise _no_decision_error()
-    raise _count_error(str(len(decisions)))
-  return decisions[0]
+  decision = _decision_in(found[0])
+  if _compat.has_effects(closed):
+    return None
+  out = iter(_compat.jaxpr_as_fun(closed)())
+  leaves, tree = jax.tree_util.tree_flatten(decision)
+  leaves = [next(out) if isinstance(x, jax.Array) else x for x in leaves]
+  return jax.tree_util.tree_unflatten(tree, leaves)
 
 
 def _apply_updates(params: Any, updates: Any) -> Any:
@@ -186,7 +224,12 @@ class _MoreAxes(Exception):
 
 
 def _apply_gradients(tx, grads, opt_state, params, **extra_args):
+  _check_holds_one(opt_state)
   decision = _decide(tx, grads, opt_state, params, extra_args)
+  # Called outside any trace (the decision was traced on its own, only to
+  # check `tx`), the step runs op by op, as the bare optimizer runs eagerly.
+  if decision is None or not _compat.staging():
+    return _one_pass(tx, grads, opt_state, params, extra_args)
 
   def vet(closed: Any) -> None:
     found = _collectives.communicated_axes(closed)
@@ -202,14 +245,35 @@ def _apply_gradients(tx, grads, opt_state, params, **extra_args):
     # branch, so the decision is taken again, reduced over its axes too.
     request = DecideOnly(e.axes)
     decision = _decide(tx, grads, opt_state, params, extra_args, request)
+    if decision is None:
+      return _one_pass(tx, grads, opt_state, params, extra_args)
     return _step(tx, grads, opt_state, params, extra_args, decision, None)
 
 
-def _step(tx, grads, opt_state, params, extra_args, decision, vet):
-  # Called outside any trace, the step is decided here, in Python, and runs
-  # op by op, as the bare optimizer runs eagerly.
-  eager = not isinstance(decision.finite, jax.core.Tracer)
+def _one_pass(tx, grads, opt_state, params, extra_args):
+  """The step as `tx.update` + `optax.apply_updates`, each part run once,
+  then kept or dropped: for an eager step, and for a chain with effects
+  (its callbacks run once per step, those after the wrapper on the zero
+  updates of a skipped step)."""
+  updates, new_state = tx.update(grads, opt_state, params, **extra_args)
+  (wrapper,) = states_in(new_state)
 
+  def applied() -> tuple[Any, Any]:
+    with jax.numpy_dtype_promotion("standard"):
+      new_params = _apply_updates(params, updates)
+    return new_params, _like(new_state, opt_state)
+
+  def skipped() -> tuple[Any, Any]:
+    keep = lambda x: wrapper if _is_state(x) else x
+    return params, jax.tree.map(keep, opt_state, is_leaf=_is_state)
+
+  if not isinstance(wrapper.last_finite, jax.core.Tracer):
+    return applied() if bool(wrapper.last_finite) else skipped()
+  operands = (updates, new_state, opt_state, params)
+  return _axes.cond(wrapper.last_finite, applied, skipped, operands=operands)
+
+
+def _step(tx, grads, opt_state, params, extra_args, decision, vet):
   def applied(decision: Decision = decision) -> tuple[Any, Any]:
     update = lambda state: tx.update(
       grads, state, params, **extra_args, **{DECISION: decision}
@@ -227,7 +291,7 @@ def _step(tx, grads, opt_state, params, extra_args, decision, vet):
     # `is True`: a `tx.update` under its own `jax.jit` hands the flag back
     # as an array; then the state is written as it is (copied).
     ordered = _compat.ORDER_FUSED_WRITES and _speed.on()
-    if decision.in_order is True and ordered and not eager:
+    if decision.in_order is True and ordered:
       old, ordered = read_after(opt_state, new_params)
       if ordered:
         _, new_state = update(old)
@@ -241,8 +305,6 @@ def _step(tx, grads, opt_state, params, extra_args, decision, vet):
     )
     return params, new_state
 
-  if eager:
-    return applied() if bool(decision.finite) else skipped()
   # A transformation chained after the wrapper that hands values out of the
   # computation (a callback logging the updates) would see what the inner
   # optimizer made of a bad member's gradients where both branches run (a

@@ -145,6 +145,8 @@ class Decision(NamedTuple):
     zero: whether the inner optimizer is fed zeros in place of non-finite
       gradients (where both branches of the step may run and be seen).
     axes: the axes `finite` was reduced over (an `AxisSet`).
+    step: the step's `_once.Step`: the calls that apply the decision reuse
+      the inner step's trace it made (speed layer, lossscale/_once.py).
   """
 
   finite: jax.Array
@@ -153,6 +155,7 @@ class Decision(NamedTuple):
   in_order: bool = False
   zero: bool = False
   axes: AxisSet = AxisSet()
+  step: _once.Step = _once.Step()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -671,13 +674,14 @@ def _run_inner(
       # A `lax.cond`, not a multiply by 1: the gradients themselves on a
       # fresh state, so the inner optimizer compiles as it does bare (a
       # multiply by a traced 1 changed XLA's fusion, and the last bits).
-      if not isinstance(scaling, jax.core.Tracer):  # eager: decided here
-        if scaling == 1:
+      is_one = scaling == 1  # traced where `scaling` is, or under a trace
+      if not isinstance(is_one, jax.core.Tracer):  # eager: decided here
+        if is_one:
           return _widen(tree) if widened else tree
         tree = _unscale(tree, _unscale_factors(scaling), keep_dtype=True)
         return _widen(tree) if widened else tree
       tree = jax.lax.cond(
-        scaling == 1,
+        is_one,
         lambda: tree,
         lambda: _unscale(tree, _unscale_factors(scaling), keep_dtype=True),
       )
@@ -863,7 +867,8 @@ def _wrap(
     # Not staged but batched (an eager `jax.vmap` with a flag per member):
     # op by op too, the conditional's branches traced anew on each call.
     staged = per_step is not None and _compat.staging()
-    run = per_step.traced_for(updates) if staged else run_apply
+    step = given.step if isinstance(given, Decision) else _once.Step()
+    run = per_step.traced_for(step) if staged else run_apply
 
     widened = _widens(rule, updates, params)
 
@@ -916,7 +921,9 @@ def _wrap(
       skipped = LossScaleState(
         **_next_counters(rule, state, finite), inner_state=state.inner_state
       )
-      decision = Decision(finite, skipped, updates, in_order, zero[0], AxisSet(axes))
+      decision = Decision(
+        finite, skipped, updates, in_order, zero[0], AxisSet(axes), step
+      )
       return _zeros(out[0]), decision
     if given is _ORDINARY and rule.enabled and eager:
       if bool(finite):

@@ -98,35 +98,43 @@ def once(fn: Callable[..., Any]) -> Callable[..., Any]:
   return traced_once
 
 
+class Step:
+  """A token that names one step (a pytree with no leaves, so a `Decision`
+  holding it may be returned from a jitted `tx.update`): the wrapper makes
+  one per ordinary call and per decision, and a `Decision` carries its own
+  to the calls that apply it."""
+
+
+jax.tree_util.register_pytree_node(Step, lambda s: ((), s), lambda s, _: s)
+
+
 class PerStep:
   """`fn` traced once per step (the one cache a wrapper keeps across calls).
 
   A wrapper's step asks for its inner step several times: for the output
   shapes, in a conditional, for the state in a second call
-  (`apply_gradients`' passes find the step by its gradients, which the
-  `Decision` carries). `traced_for(updates)` gives the same `once(fn)` for
-  calls on the same first gradient array, and a new one for a new step,
+  (`apply_gradients`' decision and its applied branch, which find the step
+  by the `Step` its `Decision` carries). `traced_for(step)` gives the same
+  `once(fn)` for calls with the same `Step`, and a new one for a new step,
   which traces `fn` anew, as a new `jax.jit` of the bare optimizer does: so
   Python state the inner optimizer reads (a learning rate changed between
   two jitted steps) is read anew (tests/test_plain.py and
   tests/test_once.py check it). What it keeps is a weak reference to that
-  array and the trace: nothing outlives the step's arrays but one jit
-  cache entry per argument types, replaced by the next step's. With
+  token and the trace: nothing outlives the step but one jit cache entry
+  per argument types, replaced by the next step's. With
   `LOSSSCALE_PLAIN=1` there is no cache: `fn` is traced where it is called.
   """
 
   def __init__(self, fn: Callable[..., Any]) -> None:
     self._fn = fn
-    self._key: Any = None  # a weak reference to the step's first array
+    self._key: Any = None  # a weak reference to the step's `Step`
     self._traced: Callable[..., Any] | None = None
 
-  def traced_for(self, updates: Any) -> Callable[..., Any]:
+  def traced_for(self, step: Step) -> Callable[..., Any]:
     if not _speed.on():
       return self._fn
-    arrays = [x for x in jax.tree_util.tree_leaves(updates) if is_array(x)]
-    key = arrays[0] if arrays else None
     ref = self._key
-    if self._traced is None or key is None or ref is None or ref() is not key:
+    if self._traced is None or ref is None or ref() is not step:
       self._traced = once(self._fn)
-      self._key = None if key is None else weakref.ref(key)
+      self._key = weakref.ref(step)
     return self._traced

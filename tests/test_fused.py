@@ -330,6 +330,64 @@ def test_a_host_callback_chained_after_the_wrapper_never_sees_nonfinite_values(d
     np.testing.assert_array_equal(s[2].trace[0], jnp.zeros(3, dtype))  # skipped
 
 
+def _tap(tag, log):
+  """An optax transformation that passes its updates on and logs them with
+  `jax.debug.callback` as `(tag, array)`."""
+
+  def update(updates, state, params=None):
+    del params
+    jax.debug.callback(lambda u: log.append((tag, np.asarray(u))), updates)
+    return updates, state
+
+  return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "jit_vmap", "vmap_jit"])
+def test_a_debug_callback_anywhere_in_the_chain_runs_once_per_step(mode):
+  # Before the wrapper, in the inner optimizer and after the wrapper: each
+  # callback runs once per step (per member), on the values the step goes
+  # on with: the gradients as given, the unscaled ones, and the applied
+  # updates (zeros on a skipped step).
+  log = []
+  inner = optax.chain(_tap("inner", log), optax.sgd(0.5))
+  tx = optax.chain(
+    _tap("before", log),
+    ls.dynamic_loss_scale(inner, initial_scale=4.0),
+    _tap("after", log),
+  )
+  step = lambda g, s, p: ls.apply_gradients(tx, g, s, p)
+  step = {
+    "eager": step,
+    "jit": jax.jit(step),
+    "jit_vmap": jax.jit(jax.vmap(step)),
+    "vmap_jit": jax.vmap(jax.jit(step)),
+  }[mode]
+  good, bad = jnp.full(3, 4.0), jnp.array([4.0, INF, 4.0])
+  batches = [[good, bad]] if "vmap" in mode else [[good], [bad]]
+  for members in batches:
+    log.clear()
+    n = len(members)
+    params = jnp.ones((n, 3)) if "vmap" in mode else jnp.ones(3)
+    state = jax.vmap(tx.init)(params) if "vmap" in mode else tx.init(params)
+    grads = jnp.stack(members) if "vmap" in mode else members[0]
+    new_params, _ = step(grads, state, params)
+    jax.effects_barrier()
+    by_tag = {t: [v for u, v in log if u == t] for t in ("before", "inner", "after")}
+    assert sorted(v.tolist() for v in by_tag["before"]) == sorted(
+      np.asarray(m).tolist() for m in members
+    )
+    # The inner optimizer is fed the unscaled gradients of a good member;
+    # where a batched step runs both branches, zeros for a bad one.
+    expected_inner = [[1.0] * 3] + ([[0.0] * 3] if n == 2 else [])
+    if n == 1 and members[0] is bad:
+      expected_inner = []
+    assert sorted(v.tolist() for v in by_tag["inner"]) == sorted(expected_inner)
+    expected_after = sorted([[0.0] * 3 if m is bad else [-0.5] * 3 for m in members])
+    assert sorted(v.tolist() for v in by_tag["after"]) == expected_after
+    applied = np.where(np.isfinite(np.asarray(grads)).all(-1, keepdims=True), 0.5, 1.0)
+    np.testing.assert_array_equal(new_params, np.broadcast_to(applied, params.shape))
+
+
 def test_calls_out_are_found_in_every_nesting():
   # Where the inner optimizer hands values out decides whether it is fed
   # zeros for a bad member: a callback inside control flow, a custom
@@ -509,9 +567,9 @@ def test_inner_optimizer_traced_once_per_step():
     lambda tx, g, s, p: ls.apply_gradients(tx, g, s, p),
     lambda tx, g, s, p: tx.update(g, s, p),
   ]
-  # Outside shard_map (axis bound by vmap), jitted; and eagerly, where the
-  # decision is concrete and `inner` runs op by op: once per step after the
-  # first (which also traces it once, for its output shapes).
+  # Outside shard_map (axis bound by vmap), jitted; and eagerly, where
+  # `inner` runs op by op once per step, after one abstract trace of the
+  # chain (`jax.make_jaxpr`) that checks it can take a decision.
   for fn in steps:
     for jit in (True, False):
       traces.clear()
@@ -521,10 +579,11 @@ def test_inner_optimizer_traced_once_per_step():
       step = jax.jit(step) if jit else step
       step(jax.tree.map(lambda x: x[None], _grads(0)), state, params)
       first = len(traces)
-      assert first == 1 if jit else first <= 2
+      # apply_gradients' eager check traces once more; `tx.update` does not.
+      assert first == (2 if fn is steps[0] and not jit else 1)
       if not jit:
         step(jax.tree.map(lambda x: x[None], _grads(1)), state, params)
-        assert len(traces) == first + 1
+        assert len(traces) == 2 * first
   # Inside shard_map, where the branches' varying axes must be matched.
   mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
   for fn in steps:
