@@ -74,9 +74,13 @@ def _check_holds_one(opt_state: Any) -> None:
   check_consulted(opt_state)
 
 
-def _decision_in(decided: Any) -> Decision:
+def _decisions_in(decided: Any) -> list[Decision]:
   leaves = jax.tree_util.tree_leaves(decided, is_leaf=_is_decision)
-  decisions = [d for d in leaves if _is_decision(d)]
+  return [d for d in leaves if _is_decision(d)]
+
+
+def _decision_in(decided: Any) -> Decision:
+  decisions = _decisions_in(decided)
   if len(decisions) != 1:
     if not decisions:
       raise _no_decision_error()
@@ -86,12 +90,14 @@ def _decision_in(decided: Any) -> Decision:
 
 def _decide(tx, grads, opt_state, params, extra_args, request=None) -> Decision | None:
   """The wrapper's decision, from `tx.update(..., lossscale_finite=request)`,
-  or None where that call has effects (a `jax.debug.callback` in the chain).
+  or None where that call has effects (a `jax.debug.callback` in the chain)
+  or is called outside any trace.
 
-  The call is traced on its own (`jax.make_jaxpr`) and then evaluated in
-  the step, so that what it computes and does not need is dropped, and
-  nothing it does happens: a chain with effects is stepped in one pass
-  instead (`_one_pass`), so each effect happens once per step."""
+  The call is traced on its own (`jax.make_jaxpr`), which checks `tx`, and
+  then evaluated in the step, so that what it computes and does not need is
+  dropped, and nothing it does happens: a chain with effects, and an eager
+  call, are stepped in one pass instead (`_one_pass`), so each effect
+  happens once per step and nothing is computed twice."""
   found: list[Any] = []
 
   def arrays() -> Any:
@@ -99,11 +105,10 @@ def _decide(tx, grads, opt_state, params, extra_args, request=None) -> Decision 
       grads, opt_state, params, **extra_args, **{DECISION: request}
     )
     found.append(decided)
-    d = [d for d in jax.tree_util.tree_leaves(decided, is_leaf=_is_decision)]
-    d = [d for d in d if _is_decision(d)]
+    decisions = _decisions_in(decided)
     # Its arrays (flags handed back by a jitted `tx.update` included); its
     # Python values stay as they are.
-    leaves = jax.tree_util.tree_leaves(d[0]) if len(d) == 1 else []
+    leaves = jax.tree_util.tree_leaves(decisions) if len(decisions) == 1 else []
     return [x for x in leaves if isinstance(x, jax.Array)]
 
   try:
@@ -117,7 +122,7 @@ def _decide(tx, grads, opt_state, params, extra_args, request=None) -> Decision 
       raise _no_decision_error() from e
     raise control_flow_error("another transformation") from e
   decision = _decision_in(found[0])
-  if _compat.has_effects(closed):
+  if _compat.has_effects(closed) or not _compat.staging():
     return None
   out = iter(_compat.jaxpr_as_fun(closed)())
   leaves, tree = jax.tree_util.tree_flatten(decision)
@@ -226,9 +231,9 @@ class _MoreAxes(Exception):
 def _apply_gradients(tx, grads, opt_state, params, **extra_args):
   _check_holds_one(opt_state)
   decision = _decide(tx, grads, opt_state, params, extra_args)
-  # Called outside any trace (the decision was traced on its own, only to
-  # check `tx`), the step runs op by op, as the bare optimizer runs eagerly.
-  if decision is None or not _compat.staging():
+  # Called outside any trace, the step runs op by op, as the bare optimizer
+  # runs eagerly.
+  if decision is None:
     return _one_pass(tx, grads, opt_state, params, extra_args)
 
   def vet(closed: Any) -> None:
