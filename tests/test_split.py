@@ -66,6 +66,19 @@ INNERS = {
 }
 
 
+def _stepper(tx, path):
+  """`tx`'s step `(params, state, grads) -> (params, state)`: `tx.update`
+  + `optax.apply_updates` ("update") or `apply_gradients`."""
+
+  def step(p, s, g):
+    if path == "update":
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+    return ls.apply_gradients(tx, g, s, p)
+
+  return step
+
+
 @pytest.mark.parametrize("path", ["update", "apply_gradients"])
 @pytest.mark.parametrize("inner", sorted(INNERS))
 def test_split_step_matches_the_bare_optimizer(inner, path):
@@ -75,12 +88,7 @@ def test_split_step_matches_the_bare_optimizer(inner, path):
   tx = ls.dynamic_loss_scale(INNERS[inner](), initial_scale=8.0, growth_interval=100)
   bare = INNERS[inner]()
 
-  def step(p, s, g):
-    if path == "update":
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-    return ls.apply_gradients(tx, g, s, p)
-
+  step = _stepper(tx, path)
   with standard_promotion(), pytest.MonkeyPatch.context() as m:
     m.setattr(_split, "_OUTPUTS", 8)
     jitted = jax.jit(step)
@@ -285,12 +293,7 @@ def test_a_300_leaf_step_builds_every_conditional(path, dtype):
       raised.append(e)
       raise
 
-  def step(p, s, g):
-    if path == "update":
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-    return ls.apply_gradients(tx, g, s, p)
-
+  step = _stepper(tx, path)
   with standard_promotion(), pytest.MonkeyPatch.context() as m:
     m.setattr(_split, "_bind_built_cond", recording)
     jaxpr = jax.make_jaxpr(step)(params, tx.init(params), _grads(params, 0))
