@@ -49,7 +49,7 @@ def check(dist):
   stray = [n for n in names if not n.startswith(("lossscale/", info))]
   if stray:
     _fail(f"the wheel holds files outside the package: {stray}")
-  sources = {p.relative_to(_ROOT).as_posix() for p in _ROOT.glob("lossscale/*.py")}
+  sources = {p.relative_to(_ROOT).as_posix() for p in _ROOT.glob("lossscale/**/*.py")}
   for required in [*sorted(sources), "lossscale/py.typed", f"{info}licenses/LICENSE"]:
     if required not in names:
       _fail(f"the wheel lacks {required}")

@@ -66,7 +66,7 @@ def _variants(adam):
     return optax.apply_updates(params, updates), state
 
   # One wrapper per variant: a wrapper keeps its inner optimizer's trace
-  # (lossscale/_once.py), which a second variant would reuse.
+  # (lossscale/_speed/once.py), which a second variant would reuse.
   tx = ls.dynamic_loss_scale(adam, initial_scale=SCALE)
   tx_fused = ls.dynamic_loss_scale(adam, initial_scale=SCALE)
 

@@ -167,13 +167,13 @@ def flax_dynamic_scale(adam):
 def lossscale_select_formulation(adam):
   """The select-based skip this library used before `lax.cond` (evidence only).
 
-  Same decision and the same state machine (`_next_counters`); the inner
+  Same decision and the same state machine (`next_counters`); the inner
   optimizer always runs (on zeros when skipping) and `jnp.where` picks the
   updates and the inner state.
   """
-  from lossscale import _loss_scale
+  from lossscale import _rule, _unscale
 
-  rule = _loss_scale._Rule(
+  rule = _rule.Rule(
     initial_scale=SCALE,
     dynamic=True,
     growth_interval=2000,
@@ -184,18 +184,18 @@ def lossscale_select_formulation(adam):
   )
 
   def init(params):
-    counters = _loss_scale._init_counters(rule)
-    return _loss_scale.LossScaleState(**counters, inner_state=adam.init(params))
+    counters = _rule.init_counters(rule)
+    return _rule.LossScaleState(**counters, inner_state=adam.init(params))
 
   def step(params, state, grads):
-    u = _loss_scale._unscale(grads, _loss_scale._unscale_factors(state.loss_scale))
+    u = _unscale.unscale(grads, _unscale.unscale_factors(state.loss_scale))
     finite = ls.all_finite(u)
     safe = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), u)
     updates, inner = adam.update(safe, state.inner_state, params)
     updates = jax.tree.map(lambda x: jnp.where(finite, x, jnp.zeros_like(x)), updates)
     inner = optax.tree.where(finite, inner, state.inner_state)
-    counters = _loss_scale._next_counters(rule, state, finite)
-    new_state = _loss_scale.LossScaleState(**counters, inner_state=inner)
+    counters = _rule.next_counters(rule, state, finite)
+    new_state = _rule.LossScaleState(**counters, inner_state=inner)
     return optax.apply_updates(params, updates), new_state
 
   return init, step, True

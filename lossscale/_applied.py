@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale._loss_scale import states_in
+from lossscale._rule import states_in
 from lossscale._scaled_grad import _unwrap, find_state
 
 T = TypeVar("T")

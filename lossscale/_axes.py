@@ -7,7 +7,8 @@ from typing import Any, TypeVar
 
 import jax
 
-from lossscale import _compat, _speed, _split
+from lossscale import _compat, _jax_internals, _speed
+from lossscale._speed import split as _split
 
 AxisName = Hashable | tuple[Hashable, ...]
 T = TypeVar("T")
@@ -70,7 +71,7 @@ def cond(
   if_handed_out: Callable[[], Callable[[], T]] | None = None,
   vet: Callable[[Any], None] | None = None,
 ) -> T:
-  """`jax.lax.cond`, split for many outputs (`lossscale/_split.py`), whose
+  """`jax.lax.cond`, split for many outputs (`lossscale/_speed/split.py`), whose
   branches may differ in which axes they vary over.
 
   Inside `shard_map` a branch that computes from per-device values returns
@@ -85,7 +86,7 @@ def cond(
     operands: every array the branches compute from. When none of them varies
       over a manual axis (always so outside `shard_map`), no output can.
     if_handed_out: gives the true branch to use instead where `true_fn`
-      hands values out of the computation (`lossscale/_split.py`).
+      hands values out of the computation (`lossscale/_speed/split.py`).
     vet: called with the true branch's trace (a `ClosedJaxpr`) before any
       conditional is built; it may raise.
 
@@ -94,7 +95,7 @@ def cond(
   """
   leaves = jax.tree_util.tree_leaves((pred, operands))
   varying = any(_compat.varying_axes(x) for x in leaves if hasattr(x, "dtype"))
-  if not _speed.on():
+  if not _speed.on("split"):
     return _plain_cond(pred, true_fn, false_fn, varying, if_handed_out, vet)
   if not varying:
     return _split.cond(pred, true_fn, false_fn, None, if_handed_out, vet)
@@ -106,7 +107,7 @@ def _plain_cond(pred, true_fn, false_fn, varying, if_handed_out, vet):
   first only where it must be looked at."""
   if if_handed_out is not None or vet is not None:
     closed = jax.make_jaxpr(true_fn)()
-    if if_handed_out is not None and _compat.hands_out(closed):
+    if if_handed_out is not None and _jax_internals.hands_out(closed):
       true_fn = if_handed_out()
       closed = jax.make_jaxpr(true_fn)()
     if vet is not None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from lossscale import _compat
+from lossscale import _jax_internals
 
 # Primitives that name an axis but exchange nothing between replicas.
 _LOCAL = frozenset({"axis_index", "pvary", "pcast", "pbroadcast"})
@@ -44,32 +44,14 @@ def _axis_names(eqn: Any) -> list[Hashable]:
   ]
 
 
-def _is_literal(v: Any) -> bool:
-  return hasattr(v, "val") and not hasattr(v, "count")
-
-
-def _live_eqns(jaxpr: Any) -> list[Any]:
-  """The top-level equations of `jaxpr` whose results are used (or that
-  have effects): `make_jaxpr` keeps dead code, such as an all-reduce
-  chained before the wrapper that `apply_gradients`' applied branch does
-  not use."""
-  live = {v for v in jaxpr.outvars if not _is_literal(v)}
-  kept = []
-  for eqn in reversed(jaxpr.eqns):
-    if _compat.has_effects(eqn) or any(v in live for v in eqn.outvars):
-      kept.append(eqn)
-      live.update(v for v in eqn.invars if not _is_literal(v))
-  return kept
-
-
 def communicated_axes(closed: Any) -> tuple[Hashable, ...]:
   """The named axes the traced computation `closed` (a `ClosedJaxpr`)
   communicates over, in order of first appearance: collectives (`psum`,
   `pmean`, `all_gather`, `ppermute`...) in its used equations, nested calls
   and branches included."""
   found: dict[Hashable, None] = {}
-  for top in reversed(_live_eqns(_compat.open_jaxpr(closed))):
-    for eqn in (top, *_compat.eqns_nested_in(top)):
+  for top in reversed(_jax_internals.live_eqns(_jax_internals.open_jaxpr(closed))):
+    for eqn in (top, *_jax_internals.eqns_nested_in(top)):
       for name in _axis_names(eqn):
         found[name] = None
   return tuple(found)

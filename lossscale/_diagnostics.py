@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale import _validation
-from lossscale._finite import is_inexact
+from lossscale import _checks
+from lossscale._dtypes import is_inexact
 from lossscale._scaled_grad import _unwrap, find_state
 
 # Well above the longest stretch of skips a healthy run shows: backing off
@@ -120,14 +120,14 @@ def check_not_stalled(
   """
   fn = "check_not_stalled"
   # At most the int32 maximum, where the counter saturates.
-  max_consecutive_skips = _validation.positive_int(
+  max_consecutive_skips = _checks.positive_int(
     fn, "max_consecutive_skips", max_consecutive_skips
   )
   if min_scale is not None:
-    min_scale = _validation.float32_scale(fn, "min_scale", min_scale)
-  at_min_scale = _validation.boolean(fn, "at_min_scale", at_min_scale)
+    min_scale = _checks.float32_scale(fn, "min_scale", min_scale)
+  at_min_scale = _checks.boolean(fn, "at_min_scale", at_min_scale)
   if scale_at_most is not None:
-    scale_at_most = _validation.positive_finite(fn, "scale_at_most", scale_at_most)
+    scale_at_most = _checks.positive_finite(fn, "scale_at_most", scale_at_most)
   state = find_state(x)
   _check_floor(fn, state, at_min_scale, scale_at_most)
   consecutive = _concrete(fn, "state", state.consecutive_skips)

@@ -8,7 +8,7 @@ import jax
 import optax
 
 from lossscale import _axes, _collectives
-from lossscale._finite import is_inexact
+from lossscale._dtypes import is_inexact
 
 _REDUCTIONS = ("mean", "sum")
 

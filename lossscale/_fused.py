@@ -1,7 +1,7 @@
 """`apply_gradients`: the whole optimizer step behind one decision.
 
 The decision is passed in plain sight, through the wrapper's `update`
-(the protocol is described in `lossscale/_loss_scale.py`):
+(the protocol is described in `lossscale/_decision.py`):
 
 1. `tx.update(..., lossscale_finite=None)` runs the transformations chained
    before the wrapper and the wrapper's finite check, and returns the
@@ -21,7 +21,7 @@ then the result kept or dropped on the flag the wrapper wrote, so that each
 effect happens once per step.
 
 For a step with many leaves the `lax.cond` is compiled as several small
-ones on the same flag (lossscale/_split.py), which XLA compiles in about
+ones on the same flag (lossscale/_speed/split.py), which XLA compiles in about
 the bare step's time.
 """
 
@@ -33,17 +33,12 @@ from typing import Any
 import jax
 import optax
 
-from lossscale import _axes, _collectives, _compat, _speed
+from lossscale import _axes, _collectives, _jax_internals
 from lossscale._applied import check_consulted, control_flow_error
-from lossscale._loss_scale import (
-  DECISION,
-  DecideOnly,
-  Decision,
-  _is_state,
-  _like,
-  read_after,
-  states_in,
-)
+from lossscale._decision import DECISION, DecideOnly, Decision
+from lossscale._dtypes import cast_like
+from lossscale._rule import is_state, states_in
+from lossscale._speed import ordering as _ordering
 
 _is_decision = lambda x: isinstance(x, Decision)
 
@@ -122,9 +117,9 @@ def _decide(tx, grads, opt_state, params, extra_args, request=None) -> Decision 
       raise _no_decision_error() from e
     raise control_flow_error("another transformation") from e
   decision = _decision_in(found[0])
-  if _compat.has_effects(closed) or not _compat.staging():
+  if _jax_internals.has_effects(closed) or not _jax_internals.staging():
     return None
-  out = iter(_compat.jaxpr_as_fun(closed)())
+  out = iter(_jax_internals.jaxpr_as_fun(closed)())
   leaves, tree = jax.tree_util.tree_flatten(decision)
   leaves = [next(out) if isinstance(x, jax.Array) else x for x in leaves]
   return jax.tree_util.tree_unflatten(tree, leaves)
@@ -266,11 +261,11 @@ def _one_pass(tx, grads, opt_state, params, extra_args):
   def applied() -> tuple[Any, Any]:
     with jax.numpy_dtype_promotion("standard"):
       new_params = _apply_updates(params, updates)
-    return new_params, _like(new_state, opt_state)
+    return new_params, cast_like(new_state, opt_state)
 
   def skipped() -> tuple[Any, Any]:
-    keep = lambda x: wrapper if _is_state(x) else x
-    return params, jax.tree.map(keep, opt_state, is_leaf=_is_state)
+    keep = lambda x: wrapper if is_state(x) else x
+    return params, jax.tree.map(keep, opt_state, is_leaf=is_state)
 
   if not isinstance(wrapper.last_finite, jax.core.Tracer):
     return applied() if bool(wrapper.last_finite) else skipped()
@@ -295,18 +290,18 @@ def _step(tx, grads, opt_state, params, extra_args, decision, vet):
     # 0.82x not, and a skipped step 0.27x and 0.52x).
     # `is True`: a `tx.update` under its own `jax.jit` hands the flag back
     # as an array; then the state is written as it is (copied).
-    ordered = _compat.ORDER_FUSED_WRITES and _speed.on()
+    ordered = _ordering.orders_fused_writes()
     if decision.in_order is True and ordered:
-      old, ordered = read_after(opt_state, new_params)
+      old, ordered = _ordering.read_after(opt_state, new_params)
       if ordered:
         _, new_state = update(old)
     # Transformations chained after the wrapper may change their state's
     # dtype (optax.trace on bfloat16 params): both branches keep `opt_state`'s.
-    return new_params, _like(new_state, opt_state)
+    return new_params, cast_like(new_state, opt_state)
 
   def skipped():
     new_state = jax.tree.map(
-      lambda x: decision.skipped if _is_state(x) else x, opt_state, is_leaf=_is_state
+      lambda x: decision.skipped if is_state(x) else x, opt_state, is_leaf=is_state
     )
     return params, new_state
 

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from lossscale._applied import step_applied
-from lossscale._finite import numbers_as_arrays
-from lossscale._loss_scale import _unscale, _unscale_factors
+from lossscale._dtypes import numbers_as_arrays
 from lossscale._scaled_grad import _unwrap, find_state, get_loss_scale
+from lossscale._unscale import unscale, unscale_factors
 
 
 def unscale_gradients(grads: Any, x: Any) -> Any:
@@ -58,7 +58,7 @@ def unscale_gradients(grads: Any, x: Any) -> Any:
   """
   state = find_state(x)
   scale = jnp.asarray(_unwrap(state.loss_scale), jnp.float32)
-  return _unscale(numbers_as_arrays(grads), _unscale_factors(scale))
+  return unscale(numbers_as_arrays(grads), unscale_factors(scale))
 
 
 def step_metrics(x: Any) -> dict[str, jax.Array]:

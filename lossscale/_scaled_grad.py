@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lossscale import _validation
-from lossscale._loss_scale import LossScaleState, states_in
+from lossscale import _checks
+from lossscale._rule import LossScaleState, states_in
 
 T = TypeVar("T")
 
@@ -166,7 +166,7 @@ def set_loss_scale(x: T, loss_scale: float) -> T:
       " checked to be a normal float32 on the host), got a traced value. Pass"
       " a Python float; inside `jax.jit`, close over it."
     )
-  scale = _validation.float32_scale("set_loss_scale", "loss_scale", loss_scale)
+  scale = _checks.float32_scale("set_loss_scale", "loss_scale", loss_scale)
   state = find_state(x)
   old_scale: Any = state.loss_scale
   old_good: Any = state.good_steps

@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(items):
   tests of the speed layer's formulations skip under `LOSSSCALE_PLAIN=1`."""
   from lossscale import _speed
 
-  if not _speed.on():
+  if _speed.off():
     plain = pytest.mark.skip(reason="a speed-layer formulation: LOSSSCALE_PLAIN=1")
     for item in items:
       if item.get_closest_marker("speed_layer"):

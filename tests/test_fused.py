@@ -24,7 +24,7 @@ from _helpers import (
   recording_wrapper,
   standard_promotion,
 )
-from lossscale._compat import eqns_within, hands_out
+from lossscale._jax_internals import eqns_within, hands_out
 
 INF, NAN = float("inf"), float("nan")
 
@@ -544,7 +544,7 @@ def test_plain_transformation_dropping_extra_args_is_refused():
 def test_inner_optimizer_traced_once_per_step():
   # The decision pass needs the inner optimizer's output shapes, the finite
   # branch runs it, and inside shard_map the branches' varying axes are
-  # matched first: every one of them reuses one trace (lossscale/_once.py).
+  # matched first: every one of them reuses one trace (lossscale/_speed/once.py).
   traces = []
 
   def counting(inner):

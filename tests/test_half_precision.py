@@ -17,7 +17,8 @@ import pytest
 
 import lossscale as ls
 from _helpers import assert_trees_equal, bytes_accessed, standard_promotion
-from lossscale import _compat
+from lossscale import _jax_internals
+from lossscale._speed import ordering as _ordering
 
 SCALE = 2.0**10  # a power of two: scaling and unscaling are exact
 
@@ -407,7 +408,7 @@ def test_half_precision_steps_move_and_hold_little_more_than_the_bare_step(dtype
   # copies the moments of the bare step too, and the same for ours), only
   # the unscale factor broadcast to each leaf shape, in float32, by the
   # check's branch that multiplies it in.
-  if _compat.ORDER_FUSED_WRITES:
+  if _ordering.ORDER_FUSED_WRITES:
     assert fused_temp <= p_bytes / 4 + 4096
   else:
     assert fused_temp <= bare_temp + 2 * p_bytes
@@ -417,8 +418,6 @@ def test_half_precision_steps_move_and_hold_little_more_than_the_bare_step(dtype
 
 
 def test_read_after_keeps_every_value_bit_for_bit():
-  from lossscale._loss_scale import read_after
-
   bad = jnp.array([-0.0, 0.0, jnp.inf, -jnp.inf, jnp.nan, 1e-40, 3e38, -1.5])
   state = (
     {"a": bad.astype(jnp.bfloat16), "b": bad},  # params-shaped: mu, say
@@ -426,12 +425,12 @@ def test_read_after_keeps_every_value_bit_for_bit():
     jnp.array(3, jnp.int32),
   )
   new_params = {"a": jnp.full(8, jnp.nan, jnp.bfloat16), "b": jnp.ones(8)}
-  ordered, any_ordered = jax.jit(read_after)(state, new_params)
+  ordered, any_ordered = jax.jit(_ordering.read_after)(state, new_params)
   assert any_ordered
   assert_trees_equal(ordered, state)
   # Only the bfloat16 leaf in the params-shaped subtree depends on them.
-  jaxpr = _compat.open_jaxpr(
-    jax.make_jaxpr(lambda s, p: read_after(s, p)[0])(state, new_params)
+  jaxpr = _jax_internals.open_jaxpr(
+    jax.make_jaxpr(lambda s, p: _ordering.read_after(s, p)[0])(state, new_params)
   )
   outs = jaxpr.outvars
   assert outs[0] not in jaxpr.invars  # ordered

@@ -1,5 +1,6 @@
-"""The loss-scaling wrappers (`lossscale/_loss_scale.py`): the scale rule,
-skipped steps, and equivalence with the bare optimizer fed unscaled gradients.
+"""The loss-scaling wrappers (`lossscale/_loss_scale.py`, `_wrapper.py`,
+`_rule.py`): the scale rule, skipped steps, and equivalence with the bare
+optimizer fed unscaled gradients.
 
 Every trajectory of scales is checked against the one reference model in
 `tests/_helpers.py`, itself checked here against the published trajectories

@@ -1,4 +1,4 @@
-"""Tests of tracing once and of eager steps compiled once (lossscale/_once.py)."""
+"""Tests of tracing once and of eager steps compiled once (lossscale/_speed/once.py)."""
 
 import jax
 import jax.numpy as jnp

@@ -16,12 +16,15 @@ import pytest
 
 import lossscale as ls
 from _helpers import standard_promotion
-from lossscale import _compat, _speed
+from lossscale import _jax_internals, _speed
 
 
 def _conds(fn, *args):
   closed = jax.make_jaxpr(fn)(*args)
-  names = (e.primitive.name for e in _compat.eqns_within(_compat.open_jaxpr(closed)))
+  names = (
+    e.primitive.name
+    for e in _jax_internals.eqns_within(_jax_internals.open_jaxpr(closed))
+  )
   return collections.Counter(names)["cond"]
 
 
@@ -37,11 +40,27 @@ def mode(request, monkeypatch):
 @pytest.mark.parametrize("value", ["1", "true", "ON", " yes "])
 def test_switch_spellings(value, monkeypatch):
   monkeypatch.setenv("LOSSSCALE_PLAIN", value)
-  assert not _speed.on()
-  monkeypatch.setenv("LOSSSCALE_PLAIN", "0")
-  assert _speed.on()
+  assert _speed.plain()
+  assert not any(_speed.on(t) for t in _speed.TRICKS)
+  for value in ("0", "off", ""):
+    monkeypatch.setenv("LOSSSCALE_PLAIN", value)
+    assert not _speed.plain() and all(_speed.on(t) for t in _speed.TRICKS)
   monkeypatch.delenv("LOSSSCALE_PLAIN")
-  assert _speed.on()
+  assert not _speed.off()
+
+
+def test_the_switch_turns_off_the_tricks_it_names(monkeypatch):
+  monkeypatch.setenv("LOSSSCALE_PLAIN", "split, Once")
+  assert [_speed.on(t) for t in _speed.TRICKS] == [False, False, True, True]
+  assert not _speed.plain()
+  monkeypatch.setenv("LOSSSCALE_PLAIN", ",".join(_speed.TRICKS))
+  assert _speed.plain()
+
+
+def test_an_unknown_trick_is_refused_by_name(monkeypatch):
+  monkeypatch.setenv("LOSSSCALE_PLAIN", "split,fast")
+  with pytest.raises(ValueError, match=r"LOSSSCALE_PLAIN.*'split,fast'.*unknown: fast"):
+    _speed.on("split")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -1,4 +1,4 @@
-"""Tests of the step's conditional split into small ones (lossscale/_split.py)."""
+"""Tests of the step's conditional split into small ones (lossscale/_speed/split.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ from _helpers import (
   primitive_count,
   standard_promotion,
 )
-from lossscale import _split
+from lossscale._speed import split as _split
 
 # The split conditionals are the speed layer's: LOSSSCALE_PLAIN=1 skips them.
 pytestmark = pytest.mark.speed_layer

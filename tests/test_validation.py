@@ -1,6 +1,6 @@
 """Mistakes in using the wrappers get a clear error, as early as possible.
 
-Settings are checked when the wrapper is built (`lossscale/_validation.py`):
+Settings are checked when the wrapper is built (`lossscale/_checks.py`):
 the error names the factory, the argument and the bad value. A wrong state
 or tree is refused when `update` is first called or traced.
 """

@@ -8,7 +8,7 @@ group in about the bare step's time (docs/performance.md, "How cost
 grows"). A step is mostly independent per leaf, so `cond` splits it:
 
 1. Both branches are traced once, to jaxprs (the wrapper's own `jax.jit`
-   of the inner step, `lossscale/_once.py`, is inlined).
+   of the inner step, `lossscale/_speed/once.py`, is inlined).
 2. Scalars computed from the operands by cheap elementwise work and
    reductions, and drawn from or used by several groups of outputs (a step
    count, a learning-rate schedule, a global gradient norm), are
@@ -44,9 +44,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.extend.core as jax_core
 
-from lossscale import _compat
+from lossscale import _jax_internals
 
 # Outputs per conditional: small enough that XLA's passes stay linear,
 # large enough that a step of a few leaves is one conditional, as before.
@@ -162,7 +161,7 @@ class _Graph:
     return v
 
   def _add(self, closed: Any, args: list[int]) -> list[int]:
-    jaxpr = _compat.open_jaxpr(closed)
+    jaxpr = _jax_internals.open_jaxpr(closed)
     env: dict[Any, int] = {}
     for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
       env[var] = v = self._value(var.aval)
@@ -170,7 +169,7 @@ class _Graph:
     env.update(zip(jaxpr.invars, args, strict=True))
 
     def read(var: Any) -> int:
-      if hasattr(var, "val"):  # a Literal
+      if _jax_internals.is_literal(var):
         v = self._value(var.aval)
         self.const[v] = var.val
         self.literal[v] = var
@@ -212,15 +211,7 @@ class _Graph:
     for n in nodes:
       eqn, ins, outs = self.nodes[n]
       args = [env[v] if v in env else self.const[v] for v in ins]
-      params = eqn.primitive.get_bind_params(eqn.params)
-      subfuns: Any = ()
-      if isinstance(params, tuple):  # jax < 0.5: (subfuns, params)
-        subfuns, params = params
-      with eqn.ctx.manager:
-        result = eqn.primitive.bind(*subfuns, *args, **params)
-      if not eqn.primitive.multiple_results:
-        result = [result]
-      env.update(zip(outs, result, strict=True))
+      env.update(zip(outs, _jax_internals.bind_eqn(eqn, args), strict=True))
 
 
 class _Operands:
@@ -263,7 +254,7 @@ def _branch(
       i = operands.index(value, graph.aval[v])
       x = by_operand.get(i)
       if x is None:
-        x = by_operand[i] = _compat.new_var(operands.avals[i])
+        x = by_operand[i] = _jax_internals.new_var(operands.avals[i])
       var_of[v] = x
     return x
 
@@ -273,26 +264,14 @@ def _branch(
     invars = [read(v) for v in ins]
     outvars = []
     for v in outs_n:
-      var_of[v] = x = _compat.new_var(graph.aval[v])
+      var_of[v] = x = _jax_internals.new_var(graph.aval[v])
       outvars.append(x)
-    eqns.append(eqn.replace(invars=invars, outvars=outvars))
+    eqns.append(_jax_internals.repoint_eqn(eqn, invars, outvars))
   return by_operand, eqns, [read(v) for v in outs]
 
 
 def _types(atoms: list[Any]) -> list[tuple]:
   return [(a.aval.shape, a.aval.dtype) for a in atoms]
-
-
-def _debug_info(like: Any) -> Any:
-  """Debug info for a jaxpr built from `like`'s equations: its function's,
-  argument and result names unknown (JAX before 0.5 takes None)."""
-  info = getattr(_compat.open_jaxpr(like), "debug_info", None)
-  if info is None or not hasattr(info, "resolve_result_paths"):
-    return None
-  try:
-    return info._replace(arg_names=None, result_paths=None)
-  except (AttributeError, TypeError, ValueError):  # another JAX's spelling
-    return None
 
 
 _Branch = tuple[_Graph, list[int], list[int], dict[int, Any]]
@@ -324,18 +303,14 @@ def _bind_built_cond(
 
   def closed(by_operand: dict[int, Any], eqns: list[Any], outvars: list[Any]) -> Any:
     invars = [
-      by_operand[i] if i in by_operand else _compat.new_var(aval)
+      by_operand[i] if i in by_operand else _jax_internals.new_var(aval)
       for i, aval in enumerate(operands.avals)
     ]
-    jaxpr = jax_core.Jaxpr([], invars, outvars, eqns, debug_info=debug_info)
-    return _compat.close_jaxpr(jaxpr)
+    return _jax_internals.closed_jaxpr(invars, outvars, eqns, debug_info)
 
   index = jax.lax.convert_element_type(pred, jax.numpy.int32)
-  return jax_core.primitives.cond_p.bind(
-    index,
-    *operands.values,
-    branches=(closed(f_vars, f_eqns, f_outs), closed(t_vars, t_eqns, t_outs)),
-  )
+  branches = (closed(f_vars, f_eqns, f_outs), closed(t_vars, t_eqns, t_outs))
+  return _jax_internals.bind_cond(index, operands.values, branches)
 
 
 def _is_large(eqn: Any) -> bool:
@@ -472,14 +447,14 @@ def cond(
   once per conditional; None is `jax.lax.cond`, whose conditionals are then
   built from the traced equations directly rather than traced again. The
   branches take no arguments (they close over their operands). When
-  `true_fn` hands values out of the computation (`_compat.hands_out`), the
+  `true_fn` hands values out of the computation (`_jax_internals.hands_out`), the
   true branch is `if_handed_out()` instead, where that is given. `vet` is
   called with the true branch's trace before anything is built.
   """
   build = one_cond is None
   traced_cond = one_cond or jax.lax.cond
   true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
-  if if_handed_out is not None and _compat.hands_out(true_closed):
+  if if_handed_out is not None and _jax_internals.hands_out(true_closed):
     true_fn = if_handed_out()
     true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
   if vet is not None:
@@ -498,14 +473,14 @@ def cond(
     # One conditional, on the jaxprs just traced (no second Python trace);
     # calls, the inner optimizer's among them, stay calls.
     def whole(closed: Any) -> Callable[[], Any]:
-      return lambda: jax_core.jaxpr_as_fun(closed)()
+      return lambda: _jax_internals.jaxpr_as_fun(closed)()
 
     return jax.tree_util.tree_unflatten(
       tree, traced_cond(pred, whole(true_closed), whole(false_closed))
     )
 
   t, f = _Graph(true_closed), _Graph(false_closed)
-  debug_info = _debug_info(true_closed) if build else None
+  debug_info = _jax_internals.nameless_debug_info(true_closed) if build else None
 
   def run(graph: _Graph, nodes: list[int], outs: list[int], env: dict) -> list:
     env = dict(env)

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from lossscale import _speed
-from lossscale._finite import is_array
+from lossscale._dtypes import is_array
 
 # How many static parts (tree structures, non-array values such as a `tx`
 # or a `value_fn`) keep their compiled step.
@@ -76,7 +76,7 @@ def once(fn: Callable[..., Any]) -> Callable[..., Any]:
   jitted: collections.OrderedDict[_Static, Any] = collections.OrderedDict()
 
   def traced_once(*args: Any) -> Any:
-    if not _speed.on():  # `LOSSSCALE_PLAIN=1`: traced wherever it is called
+    if not _speed.on("once"):  # `LOSSSCALE_PLAIN=1`: traced wherever it is called
       return fn(*args)
     leaves, treedef = jax.tree_util.tree_flatten(args)
     arrays_at = tuple(is_array(x) for x in leaves)
@@ -131,7 +131,7 @@ class PerStep:
     self._traced: Callable[..., Any] | None = None
 
   def traced_for(self, step: Step) -> Callable[..., Any]:
-    if not _speed.on():
+    if not _speed.on("once"):
       return self._fn
     ref = self._key
     if self._traced is None or ref is None or ref() is not step:
