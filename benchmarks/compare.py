@@ -3,7 +3,14 @@
 Usage:
   python benchmarks/compare.py --base c193e02 [--repeats 3] [--rounds 15]
       [--cases float32:25e6,bfloat16:10e6] [--json PATH]
+  python benchmarks/compare.py --plain '1;split;once;finite;order' [...]
   make bench-compare BASE=c193e02
+
+With `--plain` (alone or beside `--base`), the bases include the working
+tree itself with the speed layer switched off (`LOSSSCALE_PLAIN=1`: all of
+it; `LOSSSCALE_PLAIN=split`: one trick), each a base of its own, all
+interleaved with the working tree as it is: what the speed layer buys, trick
+by trick (docs/performance.md, "The speed layer: what it buys").
 
 Each repetition runs one process per tree and case, base and working tree
 alternating (ABBA order), each timing its own bare `optax.adamw` step and
@@ -35,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -192,8 +200,11 @@ def _archive(ref: str, dest: str) -> None:
   subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
 
 
-def _run(tree: str, dtype: str, n: float, rounds: int) -> dict:
+def _run(tree: str, dtype: str, n: float, rounds: int, plain: str | None) -> dict:
   env = dict(os.environ, PYTHONPATH=tree)
+  env.pop("LOSSSCALE_PLAIN", None)
+  if plain is not None:
+    env["LOSSSCALE_PLAIN"] = plain
   cmd = [
     sys.executable,
     os.path.abspath(__file__),
@@ -235,13 +246,44 @@ def _commit() -> str | None:
     return None
 
 
+def _label(dtype: str, n: float) -> str:
+  return (
+    f"compile, {n:g} leaves" if dtype == "compile" else f"{dtype}, {n / 1e6:g}M params"
+  )
+
+
+def _repeat(trees: dict, dtype: str, n: float, args: Any) -> dict[str, list[dict]]:
+  """`args.repeats` processes per tree for one case, the trees' order
+  rotated and reversed from one repetition to the next."""
+  runs: dict[str, list[dict]] = {which: [] for which in trees}
+  names = list(trees)
+  for r in range(args.repeats):
+    order = names[r % len(names) :] + names[: r % len(names)]
+    for which in order[::-1] if r % 2 else order:
+      tree, plain = trees[which]
+      out = _run(tree, dtype, n, args.rounds, plain)
+      runs[which].append(out)
+      print(
+        f"{_label(dtype, n)}, {which} #{r + 1}: bare {out['bare_ms']:.1f} ms, "
+        + ", ".join(f"{k} {v:.2f}x" for k, v in out["ratios"].items() if v != 1),
+        flush=True,
+      )
+  return runs
+
+
 def _half_range(xs: list[float]) -> float:
   return (max(xs) - min(xs)) / 2
 
 
 def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--base", required=True, help="a git ref (commit, tag, branch)")
+  ap.add_argument("--base", help="a git ref (commit, tag, branch)")
+  ap.add_argument(
+    "--plain",
+    help="the working tree with the speed layer off as bases too (or instead):"
+    " LOSSSCALE_PLAIN values separated by ';', each a base of its own"
+    " (such as '1;split;finite': all tricks off, then one at a time)",
+  )
   ap.add_argument(
     "--base-tree",
     default=None,
@@ -258,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
   )
   ap.add_argument("--json", default=None, help="where to write the results")
   args = ap.parse_args(argv)
+  if not (args.base or args.plain):
+    ap.error("give --base, --plain or both")
   if args.repeats < 1 or args.rounds < 1:
     ap.error("--repeats and --rounds must be positive")
   cases = []
@@ -271,68 +315,58 @@ def main(argv: list[str] | None = None) -> int:
     cases.append((dtype, float(n)))
 
   with tempfile.TemporaryDirectory() as tmp:
-    if args.base_tree:
-      tmp = os.path.abspath(args.base_tree)
-    else:
-      _archive(args.base, tmp)
-    trees = {"base": tmp, "work": ROOT}
-    results: dict = {}
+    # label -> (tree, LOSSSCALE_PLAIN); "work" is the working tree as it is.
+    trees: dict[str, tuple[str, str | None]] = {}
+    if args.base:
+      if args.base_tree:
+        tmp = os.path.abspath(args.base_tree)
+      else:
+        _archive(args.base, tmp)
+      trees["base"] = (tmp, None)
+    for value in args.plain.split(";") if args.plain else ():
+      trees[f"LOSSSCALE_PLAIN={value}"] = (ROOT, value)
+    trees["work"] = (ROOT, None)
+    results = {}
     for dtype, n in cases:
-      label = f"{dtype}, {n / 1e6:g}M params"
-      if dtype == "compile":
-        label = f"compile, {n:g} leaves"
-      runs: dict[str, list[dict]] = {"base": [], "work": []}
-      for r in range(args.repeats):
-        order = ("base", "work") if r % 2 == 0 else ("work", "base")
-        for which in order:
-          out = _run(trees[which], dtype, n, args.rounds)
-          runs[which].append(out)
-          print(
-            f"{label}, {which} #{r + 1}: bare {out['bare_ms']:.1f} ms, "
-            + ", ".join(f"{k} {v:.2f}x" for k, v in out["ratios"].items() if v != 1),
-            flush=True,
-          )
-      results[label] = runs
+      results[_label(dtype, n)] = _repeat(trees, dtype, n, args)
 
   slower = []
   print(f"\nmedian time / bare adamw over {args.repeats} processes each")
-  print(f"base = {args.base}, work = working tree\n")
+  print(f"base = {args.base or ''} {args.plain or ''}, work = working tree\n")
   print("| case | step | base | work | work / base |")
   print("|---|---|---:|---:|---:|")
   summary = []
   for case, runs in results.items():
-    for name, kind in COMPILE_STEPS if case.startswith("compile") else STEPS:
-      key = f"{name} / {kind}"
-      b = [r["ratios"][key] for r in runs["base"]]
-      w = [r["ratios"][key] for r in runs["work"]]
-      mb, mw = statistics.median(b), statistics.median(w)
-      allowed = max(_half_range(b), _half_range(w), 0.03 * mb)
-      flag = ""
-      if mw - mb > allowed:
-        flag = " SLOWER"
-        slower.append(f"{case} {key}")
-      print(
-        f"| {case} | {key} | {mb:.2f}x ({min(b):.2f}-{max(b):.2f}) |"
-        f" {mw:.2f}x ({min(w):.2f}-{max(w):.2f}) | {mw / mb:.2f}{flag} |"
-      )
-      summary.append(
-        dict(
-          case=case,
-          step=key,
-          base=b,
-          work=w,
-          base_median=mb,
-          work_median=mw,
-          slower=bool(flag),
+    for base_label in (label for label in runs if label != "work"):
+      for name, kind in COMPILE_STEPS if case.startswith("compile") else STEPS:
+        key = f"{name} / {kind}"
+        b = [r["ratios"][key] for r in runs[base_label]]
+        w = [r["ratios"][key] for r in runs["work"]]
+        mb, mw = statistics.median(b), statistics.median(w)
+        allowed = max(_half_range(b), _half_range(w), 0.03 * mb)
+        flag = " SLOWER" if mw - mb > allowed else ""
+        if flag:
+          slower.append(f"{case} {key} (against {base_label})")
+        shown = case if base_label == "base" else f"{case}, {base_label}"
+        print(
+          f"| {shown} | {key} | {mb:.2f}x ({min(b):.2f}-{max(b):.2f}) |"
+          f" {mw:.2f}x ({min(w):.2f}-{max(w):.2f}) | {mw / mb:.2f}{flag} |"
         )
-      )
+        row = dict(case=case, step=key, base=b, work=w, base_median=mb)
+        row.update(work_median=mw, slower=bool(flag))
+        if base_label != "base":
+          row["plain"] = trees[base_label][1]
+        summary.append(row)
   if args.json:
     first = next(iter(results.values()))["work"][0]
     environment = dict(first["environment"], commit=_commit())
     payload = dict(
       benchmark="compare",
       base=args.base,
-      base_commit=args.base if args.base_tree else _rev(args.base),
+      base_commit=(args.base if args.base_tree else _rev(args.base))
+      if args.base
+      else None,
+      plain=args.plain,
       environment=environment,
       repeats=args.repeats,
       rounds=args.rounds,

@@ -627,24 +627,34 @@ def compare(data: dict, source: str) -> list[str]:
   """`compare.py --json`: the working tree against a base commit, each step's
   median ratio to its own process's bare AdamW step."""
   rows = []
+  plain = any("plain" in r for r in _records(data))
+  base = data.get("base")
   for r in _records(data):
-    base, work = _field(r, "base"), _field(r, "work")
+    runs, work = _field(r, "base"), _field(r, "work")
     b, w = _field(r, "base_median"), _field(r, "work_median")
+    against = f"`LOSSSCALE_PLAIN={r['plain']}`" if "plain" in r else base
     rows.append(
       [
         _field(r, "case"),
+        *([against] if plain else []),
         _field(r, "step"),
-        f"{_x(b)} ({min(base):.2f}-{max(base):.2f})",
+        f"{_x(b)} ({min(runs):.2f}-{max(runs):.2f})",
         f"{_x(w)} ({min(work):.2f}-{max(work):.2f})",
         f"{w / b:.2f}" + (" **slower**" if _field(r, "slower") else ""),
       ]
     )
-  base = f"{_field(data, 'base')} ({_field(data, 'base_commit')})"
   what = (
     f"time / bare AdamW, median over {_field(data, 'repeats')} processes per"
-    f" tree and case ({_field(data, 'rounds')} rounds each), base {base} and"
-    " this version alternating"
+    f" tree and case ({_field(data, 'rounds')} rounds each)"
   )
+  if base:
+    what += f", base {base} ({_field(data, 'base_commit')})"
+  if plain:
+    what += ", this version with the speed layer off as the row says"
+  what += " and this version alternating"
+  if plain:
+    headers = ["case", "against", "step", "against", "this version", "this / against"]
+    return [_source_line(data, source, what), "", *_table(headers, rows, align="lll")]
   headers = ["case", "step", "base", "this version", "this / base"]
   return [_source_line(data, source, what), "", *_table(headers, rows, align="ll")]
 
