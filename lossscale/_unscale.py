@@ -62,7 +62,7 @@ def unscale(
       lambda g: _unscale_leaf_or_zero(g, pre, inv, zero_unless) if is_inexact(g) else g,
       grads,
     )
-  unscaled = scale_leaves(grads, pre, inv)
+  unscaled = _scale_leaves(grads, pre, inv)
   if not keep_dtype:
     return unscaled
   return jax.tree.map(
@@ -83,7 +83,7 @@ def check_factor(loss_scale: jax.Array) -> jax.Array:
   return jnp.where(big, f32(1.0), f32(1.0) / loss_scale)
 
 
-def scale_leaves(grads: Any, *factors: jax.Array) -> Any:
+def _scale_leaves(grads: Any, *factors: jax.Array) -> Any:
   """Multiplies each inexact leaf by `factors` in turn, in the wider of
   float32 and its dtype; other leaves pass through."""
   return jax.tree.map(lambda g: scale_leaf(g, *factors) if is_inexact(g) else g, grads)

@@ -65,7 +65,7 @@ def _host_zeros(s: Any) -> Any:
 GRADIENT_EXTRA_ARGS = ("grad",)
 
 
-def run_inner(
+def _run_inner(
   inner, rule, updates, scaling, finite, inner_state, params, extra_args, widened, zero
 ):
   """The inner optimizer's step on the unscaled gradients (`finite` false
@@ -188,7 +188,7 @@ def _local_flag(rule: Rule, given: Any, updates: Any, scale: jax.Array) -> jax.A
 
 
 def _scaling(rule: Rule, scale: jax.Array, eager: bool) -> Any:
-  """What `run_inner` unscales by: the reciprocal's factors, or (for
+  """What `_run_inner` unscales by: the reciprocal's factors, or (for
   `enabled=False`) the scale itself, decided in Python when eager, even
   where `inner` is traced."""
   if rule.enabled:
@@ -196,7 +196,7 @@ def _scaling(rule: Rule, scale: jax.Array, eager: bool) -> Any:
   return float(scale) if eager else scale
 
 
-def init_state(fn: str, inner: Any, rule: Rule, params: Any) -> LossScaleState:
+def _init_state(fn: str, inner: Any, rule: Rule, params: Any) -> LossScaleState:
   # float16 optimizer state underflows (docs/how-it-works.md): float16
   # parameters get float32 state, with `enabled=False` too, so that a
   # checkpoint moves between the two with nothing lost.
@@ -220,7 +220,7 @@ def wrap(
   """Builds the wrapper; the one place the skip-and-adjust logic lives."""
   _checks.check_inner(fn, inner)
   inner = optax.with_extra_args_support(inner)
-  run_apply = functools.partial(run_inner, inner, rule)
+  run_apply = functools.partial(_run_inner, inner, rule)
   # The inner step traced once per step (the speed layer's trace sharing,
   # lossscale/_speed/once.py); `enabled=False` calls `inner` as it is, to be
   # exactly it. Output shapes alone, for eager steps, come from one trace
@@ -300,5 +300,5 @@ def wrap(
     counters = next_counters(rule, state, finite)
     return new_updates, LossScaleState(**counters, inner_state=inner_state)
 
-  init_fn = functools.partial(init_state, fn, inner, rule)
+  init_fn = functools.partial(_init_state, fn, inner, rule)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
