@@ -64,7 +64,7 @@ test-newest: $(STAMP)
 test-oldest: $(OLDEST_STAMP)
 	$(OLDEST_PY) -m pytest -q
 
-# The suite with the speed layer off (lossscale/_speed.py): the contract holds
+# The suite with the speed layer off (lossscale/_speed/): the contract holds
 # on the plain core too; tests of the speed layer's own formulations skip.
 test-plain: $(STAMP)
 	LOSSSCALE_PLAIN=1 $(PY) -m pytest -q --ignore=tests/test_docs.py
