@@ -16,7 +16,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
+
+# `jax.extend.core` is imported with the package, not on first use:
+# importing it registers configuration options, which changes JAX's tracing
+# context, so a function traced before that import is traced again after
+# it (the inner optimizer of a process's first `apply_gradients` step was
+# traced twice: tests/test_fused.py).
 
 
 def staging() -> bool:
@@ -43,9 +50,7 @@ def has_effects(closed: Any) -> bool:
 def jaxpr_as_fun(closed: Any) -> Any:
   """`closed` (a `ClosedJaxpr`) as a function of its inputs, which binds its
   equations where it is called (`jax.extend.core`, 0.4.35 to 0.12)."""
-  from jax.extend.core import jaxpr_as_fun
-
-  return jaxpr_as_fun(closed)
+  return jax_core.jaxpr_as_fun(closed)
 
 
 def hands_out(closed: Any) -> bool:
@@ -92,8 +97,6 @@ def _nested_jaxprs(value: Any, depth: int = 0) -> Iterator[Any]:
 
 @functools.cache
 def _var_takes_suffix() -> bool:
-  import jax.extend.core as jax_core
-
   return "suffix" in inspect.signature(jax_core.Var).parameters
 
 
@@ -103,8 +106,6 @@ def new_var(aval: Any) -> Any:
   Which constructor this JAX has is found once: a large step makes tens of
   thousands of variables.
   """
-  import jax.extend.core as jax_core
-
   var: Any = jax_core.Var
   return var("", aval) if _var_takes_suffix() else var(aval)
 
@@ -114,8 +115,6 @@ def _jaxprs_hold_consts() -> bool:
   """Whether a jaxpr carries its constants itself: from jax 0.12 on,
   `ClosedJaxpr` is `Jaxpr` (the name kept as an alias, to be removed), and
   `closed.jaxpr`, the closed jaxpr itself, is a legacy accessor too."""
-  import jax.extend.core as jax_core
-
   return getattr(jax_core, "ClosedJaxpr", jax_core.Jaxpr) is jax_core.Jaxpr
 
 
@@ -130,8 +129,6 @@ def close_jaxpr(jaxpr: Any) -> Any:
   """`jaxpr`, built without constants, closed, as `cond_p` takes branches."""
   if _jaxprs_hold_consts():
     return jaxpr
-  import jax.extend.core as jax_core
-
   return jax_core.ClosedJaxpr(jaxpr, [])
 
 
@@ -176,8 +173,6 @@ def closed_jaxpr(
 ) -> Any:
   """A closed jaxpr without constants, from its parts (as `bind_cond` takes
   branches)."""
-  import jax.extend.core as jax_core
-
   return close_jaxpr(jax_core.Jaxpr([], invars, outvars, eqns, debug_info=debug_info))
 
 
@@ -185,8 +180,6 @@ def bind_cond(index: Any, operands: list[Any], branches: tuple[Any, ...]) -> lis
   """The `cond` primitive bound directly: `branches[index](*operands)`, the
   branches closed jaxprs taking `operands` (no second trace, as `lax.cond`
   would make)."""
-  import jax.extend.core as jax_core
-
   return jax_core.primitives.cond_p.bind(index, *operands, branches=branches)
 
 

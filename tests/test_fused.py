@@ -1,7 +1,10 @@
 """Tests of lossscale.apply_gradients (lossscale/_fused.py)."""
 
 import functools
+import os
 import re
+import subprocess
+import sys
 
 import chex
 import jax
@@ -538,6 +541,44 @@ def test_plain_transformation_dropping_extra_args_is_refused():
   params = _params()
   with pytest.raises(ValueError, match="did not receive the decision"):
     ls.apply_gradients(tx, _grads(0), tx.init(params), params)
+
+
+_FIRST_STEP = """
+import jax, jax.numpy as jnp, optax
+import lossscale as ls
+
+traces = []
+sgd = optax.sgd(0.1)
+
+def update(updates, state, params=None):
+  traces.append(None)
+  return sgd.update(updates, state, params)
+
+tx = ls.dynamic_loss_scale(optax.GradientTransformation(sgd.init, update))
+params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+step(params, tx.init(params), params)
+print(len(traces))
+"""
+
+
+@pytest.mark.speed_layer
+def test_a_fresh_process_traces_its_first_step_once():
+  """The first step of a process, where nothing has imported the parts of
+  JAX lossscale uses yet: an import that registers configuration options
+  mid-step changes JAX's tracing context and makes it trace the inner
+  optimizer again (it did, when `jax.extend.core` was imported on first
+  use)."""
+  env = {k: v for k, v in os.environ.items() if k != "LOSSSCALE_PLAIN"}
+  out = subprocess.run(
+    [sys.executable, "-c", _FIRST_STEP],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+    check=True,
+  )
+  assert out.stdout.split() == ["1"], out.stderr[-2000:]
 
 
 @pytest.mark.speed_layer
