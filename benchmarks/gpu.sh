@@ -12,7 +12,7 @@
 # CUDA-enabled JAX (a peer that is missing, such as jmp on an offline GPU
 # box, is reported as skipped). Writes the JSON and tables to $OUT when it
 # is set (benchmarks/results/gpu otherwise). Budget: each step is bounded by
-# `timeout`; about 6 minutes in all on an H200.
+# `timeout`; about 10 minutes in all on an H200.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PARAMS="${1:-100e6}"
@@ -42,6 +42,13 @@ timeout 180 "$PY" benchmarks/optimizer_step.py --params "$PARAMS" --rounds 30 --
 timeout 120 "$PY" benchmarks/optimizer_step.py --params "$PARAMS" --rounds 30 --dtype bfloat16 \
   --only "lossscale: tx.update + apply_updates,lossscale.apply_gradients,optax.apply_if_finite" \
   --json "$OUT/optimizer_step_bfloat16.json"
+# XLA:GPU reads each conditional's predicate back to the host: is the split
+# step (about ten conditionals at 300 leaves) slower there than one? Rule:
+# keep per backend what wins on that backend, in wall time.
+echo "== the speed layer off (all of it; the split conditionals alone) against on"
+timeout 300 "$PY" benchmarks/compare.py --plain '1;split' \
+  --cases "float32:${PARAMS},bfloat16:${PARAMS}" --repeats 2 --rounds 30 \
+  --json "$OUT/compare_plain.json" || echo "(some rows slower with the speed layer on: see above)"
 if [ -n "$BASE_TREE" ]; then
   echo "== against the base in $BASE_TREE"
   timeout 240 "$PY" benchmarks/compare.py --base c193e02 --base-tree "$BASE_TREE" \
