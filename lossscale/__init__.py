@@ -20,11 +20,11 @@ from lossscale._precision import Float16RangeReport as Float16RangeReport
 from lossscale._precision import cast_floating as cast_floating
 from lossscale._precision import float16_range_report as float16_range_report
 from lossscale._precision import with_compute_dtype as with_compute_dtype
+from lossscale._restore import set_loss_scale as set_loss_scale
+from lossscale._restore import upgrade_state as upgrade_state
 from lossscale._rule import LossScaleState as LossScaleState
-from lossscale._rule import upgrade_state as upgrade_state
 from lossscale._scaled_grad import get_loss_scale as get_loss_scale
 from lossscale._scaled_grad import scale_loss as scale_loss
-from lossscale._scaled_grad import set_loss_scale as set_loss_scale
 from lossscale._scaled_grad import value_and_grad as value_and_grad
 
 try:

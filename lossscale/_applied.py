@@ -18,7 +18,12 @@ import jax.numpy as jnp
 import optax
 
 from lossscale._rule import states_in
-from lossscale._scaled_grad import _unwrap, find_state
+from lossscale._scaled_grad import (
+  _unwrap,
+  find_state,
+  in_multi_steps,
+  multi_steps_error,
+)
 
 T = TypeVar("T")
 
@@ -43,10 +48,9 @@ def control_flow_error(where: str) -> ValueError:
     " so whether a step is applied is neither known before the step"
     " (apply_gradients, lossscale.flax.TrainState, lossscale.flax.nnx_step)"
     " nor current after it (step_applied, where_applied). Put the wrapper"
-    " outside (for example"
-    " `dynamic_loss_scale(optax.MultiSteps(...).gradient_transformation())`"
-    " instead of `optax.MultiSteps(dynamic_loss_scale(...))`), or step with"
-    " `tx.update` + `optax.apply_updates` (NNX: `optimizer.update`)."
+    " outside (`dynamic_loss_scale(optax.apply_if_finite(inner, ...))`),"
+    " or step with `tx.update` + `optax.apply_updates` (NNX:"
+    " `optimizer.update`)."
   )
 
 
@@ -59,6 +63,8 @@ def check_consulted(opt_state: Any) -> None:
   of a Flax `TrainState` and for an `nnx.Optimizer`'s (whose leaves are
   `nnx.Variable`s), traced or not.
   """
+  if in_multi_steps(opt_state):
+    raise multi_steps_error()
   containers = _control_flow_containers()
   is_container = lambda x: isinstance(x, containers)
   for node in jax.tree_util.tree_leaves(opt_state, is_leaf=is_container):

@@ -195,15 +195,17 @@ def _params_without_gradient(grads: Any, params: Any) -> list[tuple[str, Any]] |
   """`(where, parameter)` for each leaf of `params` whose gradient is None,
   when `grads` is `params`' tree with None at some leaves (what
   `value_and_grad` gives non-array and integer parameters), else None."""
+  # None counts as a leaf on both sides: a None parameter (an optional
+  # submodule) has a None gradient, beside integer parameters' None.
   g_leaves, g_def = jax.tree_util.tree_flatten(grads, is_leaf=_is_none)
-  p_leaves, p_def = jax.tree_util.tree_flatten_with_path(params)
+  p_leaves, p_def = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_none)
   g_def = cast(Any, g_def)  # see `cast_like`
   if g_def != p_def or len(g_leaves) != len(p_leaves):
     return None
   return [
     (jax.tree_util.keystr(path) or "the root", p)
     for g, (path, p) in zip(g_leaves, p_leaves, strict=True)
-    if g is None
+    if g is None and p is not None
   ]
 
 
@@ -325,12 +327,36 @@ def _keeps_types(new: Any, old: Any) -> bool:
   None gradient through)."""
   if _none_for_integers(new, old):
     pairs = zip(
-      jax.tree.leaves(new, is_leaf=_is_none), jax.tree.leaves(old), strict=True
+      jax.tree.leaves(new, is_leaf=_is_none),
+      jax.tree.leaves(old, is_leaf=_is_none),
+      strict=True,
     )
-    kept = [(n, o) for n, o in pairs if n is not None]
+    kept = [(n, o) for n, o in pairs if n is not None and o is not None]
     new, old = [n for n, _ in kept], [o for _, o in kept]
   new_def: Any = jax.tree.structure(new)  # Any: see `cast_like`
   if new_def != jax.tree.structure(old):
     return False
   shapes = lambda t: [getattr(x, "shape", None) for x in jax.tree.leaves(t)]
   return shapes(new) == shapes(old)
+
+
+# Flax's float8 layers keep their scales and amax histories in this
+# collection; their "gradients" are their new values, not gradients.
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+
+def check_no_overwrite(fn: str, grads: Any) -> None:
+  """Refuses Flax's float8 `_overwrite_with_gradient` values among the
+  gradients: the wrapper would divide them by the loss scale."""
+  for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    if any(getattr(k, "key", None) == OVERWRITE_WITH_GRADIENT for k in path):
+      raise ValueError(
+        f"`{fn}`: the gradients hold Flax's float8 state at"
+        f" {jax.tree_util.keystr(path)} (the `{OVERWRITE_WITH_GRADIENT}`"
+        " collection, whose 'gradients' are the new scales and amax"
+        " histories, not gradients of the scaled loss): the wrapper would"
+        " divide them by the loss scale. Give the wrapper the trained"
+        " parameters' gradients only (`grads['params']`) and overwrite the"
+        " float8 state yourself, or use lossscale.flax.TrainState, which"
+        " does both as Flax's TrainState does."
+      )

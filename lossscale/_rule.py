@@ -5,8 +5,7 @@ holds a wrapper's fixed settings (closure, never state), `init_counters`
 the first state, and `next_counters(rule, state, finite)` is the whole
 state machine, one step of it. docs/how-it-works.md states the rule in
 prose; tests/_helpers.py (`reference_rule`) writes it again, independently,
-and the tests hold the two together. `upgrade_state` converts states saved
-with an earlier layout of `LossScaleState`.
+and the tests hold the two together.
 """
 
 from __future__ import annotations
@@ -195,80 +194,3 @@ def is_state(x: Any) -> bool:
 def states_in(tree: Any) -> list[LossScaleState]:
   """Every `LossScaleState` in `tree`, nested anywhere, in leaf order."""
   return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
-
-
-def _is_earlier_layout(x: Any) -> bool:
-  """A NamedTuple with a subset of `LossScaleState`'s fields, `loss_scale`
-  and `inner_state` among them, that is not a `LossScaleState`."""
-  fields = getattr(x, "_fields", None)
-  return (
-    isinstance(x, tuple)
-    and not isinstance(x, LossScaleState)
-    and fields is not None
-    and {"loss_scale", "inner_state"} <= set(fields) < set(LossScaleState._fields)
-  )
-
-
-def upgrade_state(tree: Any) -> Any:
-  """Converts the loss-scaling states of an earlier layout in `tree`.
-
-  [`lossscale.LossScaleState`][] gained fields over time: `last_finite` after
-  lossscale 0.1.0, then `steps_since_rescale`, `overflows_since_backoff` and
-  `overflows_at_min_scale`. A checkpoint written before does not restore
-  into the new structure: restore it into a NamedTuple with the fields it
-  was written with (in their order) and pass the result here. Every such
-  NamedTuple in `tree` (nested in a chain or a `TrainState` too) becomes a
-  `LossScaleState` with its values, and with the fields it lacks as a fresh
-  state holds them (`last_finite` True, the new counters 0), shaped like its
-  `good_steps` (a batched state stays batched). Everything else in `tree` is
-  returned as it is. [Checkpointing][checkpoints-written-by-earlier-versions]
-  has the orbax recipe.
-
-  Args:
-    tree: a pytree holding states of an earlier layout: NamedTuples whose
-      fields are some of `LossScaleState`'s, `loss_scale` and `inner_state`
-      among them.
-
-  Returns:
-    `tree` with each of those replaced by a `LossScaleState`.
-
-  Examples:
-    >>> from typing import Any, NamedTuple
-    >>> import jax.numpy as jnp, optax
-    >>> import lossscale as ls
-    >>> class LossScaleState01(NamedTuple):  # lossscale 0.1.0's fields
-    ...   loss_scale: Any
-    ...   good_steps: Any
-    ...   hysteresis_left: Any
-    ...   skipped_steps: Any
-    ...   consecutive_skips: Any
-    ...   inner_state: Any
-    >>> tx = ls.dynamic_loss_scale(optax.sgd(0.1))
-    >>> s = tx.init({"w": jnp.zeros(2)})
-    >>> old = LossScaleState01(*s[:5], s.inner_state)  # as restored
-    >>> new = ls.upgrade_state(old)
-    >>> type(new).__name__, new.last_finite, new.steps_since_rescale
-    ('LossScaleState', Array(True, dtype=bool), Array(0, dtype=int32))
-  """
-
-  def convert(x: Any) -> Any:
-    if not _is_earlier_layout(x):
-      return x
-    values = x._asdict()
-    like = jnp.asarray(values["good_steps"]) if "good_steps" in values else None
-    fresh = lambda dtype, fill: jnp.full(
-      [] if like is None else like.shape, fill, dtype
-    )
-    defaults = dict(
-      good_steps=fresh(jnp.int32, 0),
-      hysteresis_left=fresh(jnp.int32, 1),
-      skipped_steps=fresh(jnp.int32, 0),
-      consecutive_skips=fresh(jnp.int32, 0),
-      last_finite=fresh(jnp.bool_, True),
-      steps_since_rescale=fresh(jnp.int32, 0),
-      overflows_since_backoff=fresh(jnp.int32, 0),
-      overflows_at_min_scale=fresh(jnp.int32, 0),
-    )
-    return LossScaleState(**(defaults | values))
-
-  return jax.tree.map(convert, tree, is_leaf=_is_earlier_layout)

@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from lossscale import _checks
 from lossscale._rule import LossScaleState, states_in
 
 T = TypeVar("T")
@@ -23,12 +23,27 @@ def _unwrap(x: Any) -> Any:
   return getattr(x, "value", x)
 
 
-def _set_value(variable: Any, value: Any) -> None:
-  """Sets an `nnx.Variable`'s value (`_unwrap`'s other half)."""
-  if hasattr(variable, "set_value"):  # newer Flax: `.value =` is deprecated
-    variable.set_value(value)
-  else:
-    variable.value = value
+def in_multi_steps(tree: Any) -> bool:
+  """Whether a `LossScaleState` in `tree` sits inside `optax.MultiSteps`."""
+  is_multi = lambda x: isinstance(x, optax.MultiStepsState)
+  nodes = jax.tree_util.tree_leaves(tree, is_leaf=is_multi)
+  return any(is_multi(node) and states_in(node) for node in nodes)
+
+
+def multi_steps_error() -> ValueError:
+  """The one message for a wrapper inside `optax.MultiSteps`."""
+  return ValueError(
+    "The loss-scaling wrapper is inside optax.MultiSteps"
+    " (`optax.MultiSteps(dynamic_loss_scale(...), k)`): an inf in one"
+    " micro-batch enters MultiSteps' accumulator, which it resets by"
+    " multiplying by zero (inf * 0 = NaN), so every later step is skipped"
+    " and training stops. Put the wrapper outside:"
+    " `dynamic_loss_scale(optax.MultiSteps(inner, k).gradient_transformation())`"
+    " drops a bad micro-batch alone; for PyTorch's accumulation (one scale"
+    " and one decision per optimizer step), accumulate the scaled gradients"
+    " yourself and call the wrapper once per optimizer step (the"
+    " 'Gradient accumulation' section of the How-it-works page)."
+  )
 
 
 def find_state(x: Any) -> LossScaleState:
@@ -36,8 +51,12 @@ def find_state(x: Any) -> LossScaleState:
 
   `x` may be an optax state (the loss-scale state nested anywhere inside),
   a Flax `TrainState` or an `nnx.Optimizer` (anything with an `opt_state`).
+  A state inside `optax.MultiSteps` is refused: there one inf micro-batch
+  makes every later step NaN.
   """
   tree = getattr(x, "opt_state", x)
+  if in_multi_steps(tree):
+    raise multi_steps_error()
   found = states_in(tree)
   if len(found) != 1:
     what = "none" if not found else f"{len(found)}"
@@ -73,120 +92,6 @@ def get_loss_scale(x: Any) -> jax.Array:
     Array(32768., dtype=float32)
   """
   return jnp.asarray(_unwrap(find_state(x).loss_scale), jnp.float32)
-
-
-def _filled_like(leaf: Any, value: float, default_dtype: Any) -> Any:
-  """`value` in place of `leaf`: its shape, dtype, weak type and placement.
-
-  A concrete `jax.Array` keeps its sharding, so a state that spans the
-  devices of several processes (after a jitted step, or restored by orbax)
-  stays one global array that a checkpointer can save: each process builds
-  only its own devices' shards, with no communication. A traced leaf
-  (`set_loss_scale` inside `jax.jit`) is filled by `lax.full_like`; a NumPy
-  leaf stays a NumPy array; a Python number becomes a `default_dtype` array.
-  """
-  if isinstance(leaf, jax.core.Tracer):
-    return jax.lax.full_like(leaf, value)
-  if not hasattr(leaf, "dtype"):
-    return jnp.full(np.shape(leaf), value, default_dtype)
-  dtype = np.dtype(leaf.dtype)
-  host = np.full(leaf.shape, value, dtype)
-  if host.size and host.flat[0] != value:  # a hand-built state of another dtype
-    raise ValueError(
-      f"`set_loss_scale(loss_scale=...)`: {value!r} is not exactly"
-      f" representable in the state's {dtype.name} leaf (a loss scale is float32)."
-    )
-  if not isinstance(leaf, jax.Array):
-    return host
-  if leaf.weak_type and not _is_pmap_sharding(leaf.sharding):
-    # `make_array_from_callback` builds strongly typed arrays.
-    fill = jax.jit(
-      lambda old: jax.lax.full_like(old, value), out_shardings=leaf.sharding
-    )
-    return fill(leaf)
-  return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda i: host[i])
-
-
-def _is_pmap_sharding(sharding: Any) -> bool:
-  # Outputs of `jax.pmap` before JAX implemented it with `shard_map`.
-  pmap_sharding = getattr(jax.sharding, "PmapSharding", None)
-  return pmap_sharding is not None and isinstance(sharding, pmap_sharding)
-
-
-def set_loss_scale(x: T, loss_scale: float) -> T:
-  """Returns `x` with its loss scale set to `loss_scale` (and `good_steps` 0).
-
-  The one-liner to restart the scale of a restored state, for example when a
-  run that trained with `enabled=False` (scale 1) is resumed with loss
-  scaling switched on:
-
-  ```python
-  opt_state = lossscale.set_loss_scale(opt_state, 2.0**15)
-  ```
-
-  Only the scale and the count of good steps since it last changed are
-  reset; the inner optimizer's state and the other counters are kept. The
-  wrapper unscales by the scale in the state it is given, so the next step
-  is right whatever the scale was ([Resuming with another
-  configuration][resuming-with-another-configuration]).
-
-  Each of the two replaced arrays keeps its shape, dtype, weak type and
-  sharding: a state replicated by `jax.pmap` (a leading device axis) or
-  batched by `jax.vmap` (one scale per member) keeps its shape, and a state
-  sharded over a mesh, across the devices of several processes included,
-  stays one global array that orbax can save. Each process builds only its
-  own devices' part; call it on every process, as the step is.
-
-  Args:
-    x: an optimizer state with a [`lossscale.LossScaleState`][] nested
-      anywhere inside, a [`lossscale.flax.TrainState`][] (or any Flax struct
-      with an `opt_state`), or an `nnx.Optimizer` (changed in place).
-    loss_scale: the new scale, a normal float32 (`>= 2**-126`).
-
-  Returns:
-    A copy of `x` with the new scale (the `nnx.Optimizer` itself, changed in
-    place). Under `jax.vmap` every member gets the same scale.
-
-  Raises:
-    ValueError: for an invalid `loss_scale`, or when `x` does not hold
-      exactly one `LossScaleState`.
-
-  Examples:
-    >>> import jax.numpy as jnp, optax
-    >>> import lossscale as ls
-    >>> off = ls.dynamic_loss_scale(optax.sgd(0.1), enabled=False)
-    >>> state = off.init({"w": jnp.zeros(2)})  # a float32 run's state
-    >>> state = ls.set_loss_scale(state, 2.0**15)  # resumed in float16
-    >>> ls.get_loss_scale(state)
-    Array(32768., dtype=float32)
-  """
-  if isinstance(loss_scale, jax.core.Tracer):
-    raise ValueError(
-      "`set_loss_scale(loss_scale=...)` must be a concrete number (it is"
-      " checked to be a normal float32 on the host), got a traced value. Pass"
-      " a Python float; inside `jax.jit`, close over it."
-    )
-  scale = _checks.float32_scale("set_loss_scale", "loss_scale", loss_scale)
-  state = find_state(x)
-  old_scale: Any = state.loss_scale
-  old_good: Any = state.good_steps
-  new_scale = _filled_like(_unwrap(old_scale), scale, jnp.float32)
-  new_good = _filled_like(_unwrap(old_good), 0, jnp.int32)
-  if _unwrap(old_scale) is not old_scale:  # NNX Variables: set in place
-    _set_value(old_scale, new_scale)
-    _set_value(old_good, new_good)
-    return x
-
-  def replace(node: Any) -> Any:
-    if isinstance(node, LossScaleState):
-      return node._replace(loss_scale=new_scale, good_steps=new_good)
-    return node
-
-  tree = getattr(x, "opt_state", x)
-  tree = jax.tree.map(replace, tree, is_leaf=lambda n: isinstance(n, LossScaleState))
-  if tree is not x and hasattr(x, "opt_state"):
-    return x.replace(opt_state=tree)  # type: ignore[attr-defined]
-  return tree
 
 
 def _scale_of(x: Any) -> jax.Array:

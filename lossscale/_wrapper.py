@@ -231,6 +231,7 @@ def wrap(
   def update_fn(updates, state, params=None, **extra_args):
     given = extra_args.pop(DECISION, ORDINARY)
     _checks.check_state(fn, state)
+    _checks.check_no_overwrite(fn, updates)
     if isinstance(given, Decision):
       updates = given.incoming
     # Python float leaves: arrays, as `jax.jit` would make them, so that a

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +149,25 @@ def train(mesh: jax.sharding.Mesh, bad_positions: list[int]) -> dict:
   }
 
 
+class _LossScaleState01(NamedTuple):
+  """lossscale 0.1.0's layout of the state."""
+
+  loss_scale: Any
+  good_steps: Any
+  hysteresis_left: Any
+  skipped_steps: Any
+  consecutive_skips: Any
+  inner_state: Any
+
+
+_ADDED_SINCE_01 = (
+  "last_finite",
+  "steps_since_rescale",
+  "overflows_since_backoff",
+  "overflows_at_min_scale",
+)
+
+
 def set_scale_and_save(mesh: jax.sharding.Mesh, directory: str) -> dict:
   """`set_loss_scale` on a state spread over every process's devices, saved
   and restored with orbax; returns what the restored state holds."""
@@ -167,6 +187,13 @@ def set_scale_and_save(mesh: jax.sharding.Mesh, directory: str) -> dict:
       x.sharding == replicated and x.ndim == 0 for x in leaves.values()
     ],
   }
+  # A state of lossscale 0.1.0's layout (five counters), upgraded: the
+  # fields it gains are global arrays like the ones it had.
+  old = _LossScaleState01(*state[:5], state.inner_state)
+  upgraded = ls.upgrade_state(old)
+  added = [getattr(upgraded, n) for n in _ADDED_SINCE_01]
+  result["upgraded_global"] = [not x.is_fully_addressable for x in added]
+  result["upgraded_sharding_kept"] = [x.sharding == replicated for x in added]
   # orbax 0.11.5 (the oldest test stack) synchronises processes through a
   # call the distributed client of JAX 0.4.35 lacks: no multi-process save.
   client = ocp.multihost.get_jax_distributed_client()
@@ -174,8 +201,13 @@ def set_scale_and_save(mesh: jax.sharding.Mesh, directory: str) -> dict:
     return result
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(f"{directory}/reset", state)
+    checkpointer.save(f"{directory}/upgraded", upgraded)
   with ocp.StandardCheckpointer() as checkpointer:
     restored = checkpointer.restore(f"{directory}/reset", state)
+    back = checkpointer.restore(f"{directory}/upgraded", upgraded)
+  result["upgraded_restored"] = [
+    int(np.asarray(getattr(back, n).addressable_data(0))) for n in _ADDED_SINCE_01
+  ]
   return result | {
     "restored_scale": float(restored.loss_scale.addressable_data(0)),
     "restored_good_steps": int(restored.good_steps.addressable_data(0)),

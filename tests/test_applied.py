@@ -218,12 +218,40 @@ def test_every_entry_point_refuses_a_wrapper_not_run_every_step_alike(name):
   kernel = np.asarray(_get(model.kernel))
   messages = {where: _message(call) for where, call in calls.items()}
   first = messages["apply_gradients"]
-  assert f"inside optax's {type(opt_state).__name__[:-5]}" in first
-  assert "not consulted on every step" in first
+  if name == "MultiSteps":  # refused everywhere: training would stop
+    assert "inside optax.MultiSteps" in first and "inf * 0 = NaN" in first
+    assert "tx.update" not in first  # no second way out
+  else:
+    assert f"inside optax's {type(opt_state).__name__[:-5]}" in first
+    assert "not consulted on every step" in first
   assert messages == dict.fromkeys(calls, first)
   # Refused before anything ran: the model and the optimizer are untouched.
   np.testing.assert_array_equal(np.asarray(_get(model.kernel)), kernel)
   assert int(_get(optimizer.step)) == 0
+
+
+def test_a_wrapper_inside_multisteps_is_refused_wherever_its_state_is_read():
+  # One inf micro-batch makes MultiSteps' accumulator NaN for good (it resets
+  # by multiplying by 0), and every later step is skipped: no lossscale
+  # function that reads the state offers this order a way to train.
+  tx = _CONTAINERS["MultiSteps"](_tx())
+  with standard_promotion():
+    opt_state = tx.init(PARAMS)
+  loss = lambda p: jnp.sum(p["w"] ** 2)
+  calls = {
+    "get_loss_scale": lambda: ls.get_loss_scale(opt_state),
+    "scale_loss": lambda: ls.scale_loss(jnp.float32(1.0), opt_state),
+    "value_and_grad": lambda: ls.value_and_grad(loss)(opt_state, PARAMS),
+    "unscale_gradients": lambda: ls.unscale_gradients(PARAMS, opt_state),
+    "step_metrics": lambda: ls.step_metrics(opt_state),
+    "check_not_stalled": lambda: ls.check_not_stalled(opt_state),
+    "set_loss_scale": lambda: ls.set_loss_scale(opt_state, 8.0),
+    "jit": lambda: jax.jit(ls.get_loss_scale)(opt_state),
+  }
+  messages = {where: _message(call) for where, call in calls.items()}
+  first = messages["get_loss_scale"]
+  assert "inside optax.MultiSteps" in first and "gradient_transformation()" in first
+  assert messages == dict.fromkeys(calls, first)
 
 
 def test_nnx_step_with_the_wrapper_outside_multisteps_still_works():

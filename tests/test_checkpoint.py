@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from optax.tree_utils import tree_get
 
 import lossscale as ls
-from _helpers import assert_trees_equal, make_mesh, stack, standard_promotion
+from _helpers import INF, assert_trees_equal, make_mesh, stack, standard_promotion
 
 _N_STEPS = 30
 _RESUME_AT = 16
@@ -403,16 +403,65 @@ def _leaf_kind(x):
   return (x.shape, x.dtype, x.weak_type, x.sharding)
 
 
+# What a restart sets (the rest of the state is kept).
+_RESTARTED = dict(
+  good_steps=0,
+  hysteresis_left=2**31 - 1,  # full: read as the wrapper's hysteresis
+  consecutive_skips=0,
+  steps_since_rescale=0,
+  overflows_since_backoff=0,
+  overflows_at_min_scale=0,
+)
+
+
 def _assert_scale_reset_in_place(old_state, new_state, scale):
-  """`new_state` is `old_state` (a `LossScaleState`) with the scale set to
-  `scale` and `good_steps` 0, each replaced leaf of the same shape, dtype,
-  weak type and sharding."""
-  for name, value in (("loss_scale", scale), ("good_steps", 0)):
+  """`new_state` is `old_state` (a `LossScaleState`) restarted at `scale`,
+  each replaced leaf of the same shape, dtype, weak type and sharding."""
+  for name, value in dict(_RESTARTED, loss_scale=scale).items():
     was, now = getattr(old_state, name), getattr(new_state, name)
     assert _leaf_kind(now) == _leaf_kind(was), name
     np.testing.assert_array_equal(now, np.full(was.shape, value, was.dtype))
-  keep = lambda s: s._replace(loss_scale=(), good_steps=())
+  keep = lambda s: s._replace(loss_scale=(), **dict.fromkeys(_RESTARTED, ()))
   assert_trees_equal(keep(new_state), keep(old_state), weak_type=True)
+
+
+def test_a_restart_clears_the_stop_and_refills_hysteresis():
+  # Four overflows take the scale to the floor and DeepSpeed's stop fires;
+  # the restart the docs describe must train again, the stop cleared, and
+  # the next overflow tolerated as a fresh state tolerates it.
+  tx = ls.dynamic_loss_scale(
+    optax.sgd(0.1), initial_scale=2.0, min_scale=1.0, hysteresis=2, growth_interval=3
+  )
+  params = {"w": jnp.zeros(2)}
+  update = jax.jit(tx.update)
+  bad, good = {"w": jnp.array([INF, 1.0])}, {"w": jnp.ones(2)}
+  state = tx.init(params)
+  for _ in range(4):
+    _, state = update(bad, state, params)
+  assert float(state.loss_scale) == 1.0 and int(state.overflows_at_min_scale) > 0
+  with pytest.raises(ls.LossScaleStalledError, match="cannot decrease"):
+    ls.check_not_stalled(state, at_min_scale=True)
+  state = ls.set_loss_scale(state, 1024.0)
+  ls.check_not_stalled(state, at_min_scale=True)  # cleared at once
+  scales = []
+  for g in [good] * 5 + [bad, bad]:
+    _, state = update(g, state, params)
+    ls.check_not_stalled(state, at_min_scale=True)
+    scales.append(float(state.loss_scale))
+  # Growth after 3 good steps; the first overflow after it is tolerated
+  # (hysteresis=2, refilled), the second backs off.
+  assert scales == [1024.0] * 2 + [2048.0] * 4 + [1024.0]
+  assert int(state.skipped_steps) == 6  # the total is history, kept
+  # A fresh state, started at 1024, takes the same steps.
+  fresh = ls.dynamic_loss_scale(
+    optax.sgd(0.1), initial_scale=1024.0, min_scale=1.0, hysteresis=2, growth_interval=3
+  )
+  s = fresh.init(params)
+  want = []
+  for g in [good] * 5 + [bad, bad]:
+    _, s = jax.jit(fresh.update)(g, s, params)
+    want.append(float(s.loss_scale))
+  assert scales == want
 
 
 def test_set_loss_scale_keeps_a_sharded_state_sharded(tmp_path):
@@ -529,6 +578,21 @@ def _earlier(state):
   return _LossScaleStateDev(*state[:6], state.inner_state)
 
 
+class _LossScaleState01(NamedTuple):
+  """lossscale 0.1.0's layout."""
+
+  loss_scale: Any
+  good_steps: Any
+  hysteresis_left: Any
+  skipped_steps: Any
+  consecutive_skips: Any
+  inner_state: Any
+
+
+def _earlier_01(state):
+  return _LossScaleState01(*state[:5], state.inner_state)
+
+
 def test_checkpoint_of_the_earlier_layout_restores_with_upgrade_state(tmp_path):
   x, y = _data()
   with standard_promotion():
@@ -579,3 +643,39 @@ def test_upgrade_state_keeps_batches_nesting_and_everything_else():
   assert_trees_equal(new, states)  # a fresh state's values
   assert ls.upgrade_state(states) is not None
   assert_trees_equal(ls.upgrade_state(states), states)  # nothing to convert
+  # What it cannot upgrade, it refuses: a dict (a checkpoint restored with
+  # no target), a tree with no loss-scaling state.
+  for bad in ({"loss_scale": 1.0, "inner_state": ()}, (), optax.sgd(0.1).init({})):
+    with pytest.raises(ValueError, match=r"upgrade_state\(tree=\.\.\.\)"):
+      ls.upgrade_state(bad)
+
+
+def _assert_placed_like(state, like):
+  for name in ("last_finite", *_RESTARTED):
+    leaf = getattr(state, name)
+    assert isinstance(leaf, jax.Array), name
+    assert leaf.shape == like.shape and leaf.sharding == like.sharding, name
+    assert not leaf.weak_type, name
+
+
+def test_upgrade_state_places_new_fields_like_the_state_they_join():
+  # A state replicated over the mesh: the fields upgrade_state adds are too
+  # (single-device arrays beside it are what orbax refuses in a
+  # multi-process save).
+  mesh = make_mesh()
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1, momentum=0.9))
+  params = jax.device_put({"w": jnp.zeros((8, 2))}, NamedSharding(mesh, P()))
+  state = jax.device_put(jax.jit(tx.init)(params), NamedSharding(mesh, P()))
+  new = ls.upgrade_state(_earlier_01(state))
+  _assert_placed_like(new, state.good_steps)
+  assert_trees_equal(new, state)
+  # A pmap-replicated one (a leading device axis).
+  n = jax.local_device_count()
+  state = jax.pmap(tx.init)(stack({"w": jnp.zeros(2)}, n))
+  new = ls.upgrade_state(_earlier_01(state))
+  _assert_placed_like(new, state.good_steps)
+  assert new.overflows_at_min_scale.shape == (n,)
+  np.testing.assert_array_equal(new.last_finite, [True] * n)
+  # Inside jit too.
+  jitted = jax.jit(lambda s: ls.upgrade_state(_earlier_01(s)))(tx.init(params))
+  assert jitted.steps_since_rescale.dtype == jnp.int32

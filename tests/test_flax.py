@@ -379,3 +379,44 @@ def test_import_without_flax_says_what_to_install():
     [sys.executable, "-c", code], capture_output=True, text=True, check=True
   ).stdout
   assert out.strip() == "ok"
+
+
+def test_float8_state_is_overwritten_as_flax_does_and_refused_by_a_bare_wrapper():
+  # Flax's fp8 layers keep scales and amax histories in the
+  # `_overwrite_with_gradient` collection, whose "gradients" are their new
+  # values. TrainState hands them over as Flax does (and keeps them on a
+  # skipped step); a bare wrapper given them would divide them by the loss
+  # scale, so it refuses them, naming where they are.
+  model = nn.Dense(4, dot_general_cls=nn.Fp8DirectDotGeneralOp)
+  x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+  variables = model.init(jax.random.key(0), x)
+  loss = lambda v, x: jnp.mean(model.apply(v, x) ** 2)
+  with standard_promotion():  # optax's adam
+    tx = ls.dynamic_loss_scale(optax.adam(1e-2), initial_scale=16.0)
+    state = ls.flax.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
+    grads = jax.grad(lambda v: ls.scale_loss(loss(v, x), state))(state.params)
+    step = jax.jit(lambda s, g: s.apply_gradients(grads=g))
+    new = step(state, grads)
+    fp8 = "_overwrite_with_gradient"
+    # Overwritten with their new values, exactly, not divided by 16.
+    assert_trees_equal(new.params[fp8], grads[fp8])
+    assert int(new.step) == 1
+    bad = jax.tree.map(lambda g: g, grads)
+    bad["params"]["kernel"] = bad["params"]["kernel"].at[0, 0].set(jnp.inf)
+    kept = step(new, bad)
+    assert_trees_equal(kept.params, new.params)
+    assert int(kept.step) == 1 and int(kept.skipped_steps) == 1
+    # The plain optax setup a user would write is refused.
+    overwrite = optax.GradientTransformation(
+      lambda p: optax.EmptyState(), lambda g, s, p: (jax.tree.map(jnp.subtract, g, p), s)
+    )
+    labels = {k: k for k in variables}
+    bare = ls.dynamic_loss_scale(
+      optax.multi_transform({"params": optax.adam(1e-2), fp8: overwrite}, labels)
+    )
+    opt_state = bare.init(variables)
+    for update in (bare.update, jax.jit(bare.update)):
+      with pytest.raises(ValueError, match=r"float8 state at \['_overwrite_with_grad"):
+        update(grads, opt_state, variables)
+    with pytest.raises(ValueError, match="lossscale.flax.TrainState"):
+      ls.apply_gradients(bare, grads, opt_state, variables)

@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import lossscale as ls
+from _helpers import standard_promotion
 
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal, 2**-126
@@ -500,3 +501,59 @@ def test_deepspeed_and_fairseq_stop_where_check_not_stalled_does(_updates):
   fs_row = next(r for r in ROWS if r.name == "fairseq")
   scales, raised = our_run(fs_row, [True] * 30, _updates)
   assert raised == 20 and scales[-1] == 2.0**-13  # 2**-14 <= 1e-4
+
+
+# ---------------------------------------------------------------------------
+# Gradient accumulation: PyTorch steps its scaler once per optimizer step.
+
+
+def _accumulating_run(k, bad, order, steps, growth_interval=3):
+  """Scales after each optimizer step of `k` micro-batches, the micro-batch
+  `(step, i)` in `bad` overflowing; `order` is "outside" (the wrapper called
+  once per optimizer step on the summed gradients, PyTorch's pattern) or
+  "multisteps" (the wrapper around `optax.MultiSteps`)."""
+  inner = optax.sgd(0.1)
+  if order == "multisteps":
+    inner = optax.MultiSteps(inner, k).gradient_transformation()
+  tx = ls.dynamic_loss_scale(inner, initial_scale=8.0, growth_interval=growth_interval)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  scales = []
+  with standard_promotion():  # MultiSteps divides by an int32 count
+    for step in range(steps):
+      micro = []
+      for i in range(k):
+        g = jnp.full(2, np.inf if (step, i) in bad else 1.0) * ls.get_loss_scale(state)
+        if order == "multisteps":
+          _, state = update({"w": g}, state, params)
+        micro.append(g)
+      if order == "outside":
+        _, state = update({"w": sum(micro) / k}, state, params)
+      scales.append(float(ls.get_loss_scale(state)))
+  return scales, state
+
+
+def test_accumulation_outside_the_wrapper_follows_torch_per_optimizer_step():
+  k, steps = 4, 24
+  rng = np.random.default_rng(3)
+  bad = {(s, i) for s in range(steps) for i in range(k) if rng.random() < 0.08}
+  scales, state = _accumulating_run(k, bad, "outside", steps)
+  torch = Torch(8.0, 2.0, 0.5, 3)
+  want = [torch.step(any((s, i) in bad for i in range(k))) for s in range(steps)]
+  assert scales == want
+  assert int(state.skipped_steps) == len({s for s, _ in bad})
+
+
+def test_accumulation_orders_counted_as_the_docs_say():
+  # Six good optimizer steps of k=4, growth_interval=3 (docs/how-it-works.md).
+  torch_like, _ = _accumulating_run(4, set(), "outside", 6)
+  per_micro, _ = _accumulating_run(4, set(), "multisteps", 6)
+  assert torch_like == [8, 8, 16, 16, 16, 32]
+  assert per_micro == [16, 32, 128, 256, 512, 2048]
+  # Around MultiSteps a bad micro-batch is dropped alone: the optimizer step
+  # it belongs to waits for one more good micro-batch.
+  _, state = _accumulating_run(4, {(0, 1)}, "multisteps", 2)
+  assert int(state.skipped_steps) == 1
+  assert int(state.inner_state.gradient_step) == 1  # 7 good micro-batches
+  assert int(state.inner_state.mini_step) == 3

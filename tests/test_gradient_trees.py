@@ -383,6 +383,37 @@ def test_an_integer_parameter_with_a_none_gradient_is_kept(jit):
   np.testing.assert_array_equal(new_params["w"], params["w"] + want["w"])
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_integer_parameter_beside_a_none_parameter(jit):
+  # Each alone worked; together the None parameter made the integer one's
+  # None gradient look like a tree mismatch.
+  params = {"c": jnp.ones(3), "n": jnp.int32(3), "z": None}
+  inner = optax.masked(optax.adam(1e-2), {"c": True, "n": False, "z": None})
+  tx = ls.dynamic_loss_scale(inner, initial_scale=4.0)
+  state = tx.init(params)
+  _, grads = ls.value_and_grad(lambda p: jnp.sum(p["c"] ** 2))(state, params)
+  assert grads["n"] is None and grads["z"] is None
+  update = jax.jit(tx.update) if jit else tx.update
+  fused = jax.jit(ls.apply_gradients, static_argnums=0) if jit else ls.apply_gradients
+  with standard_promotion():
+    want, _ = inner.update(
+      {"c": jnp.full(3, 2.0), "n": None, "z": None}, inner.init(params), params
+    )
+    updates, _ = update(grads, state, params)
+    new_params, new_state = fused(tx, grads, state, params)
+  assert updates["n"] is None and updates["z"] is None
+  # Adam jitted and eager round its last bit differently.
+  np.testing.assert_allclose(updates["c"], want["c"], rtol=1e-6)
+  assert int(new_params["n"]) == 3 and new_params["z"] is None
+  np.testing.assert_allclose(new_params["c"], params["c"] + want["c"], rtol=1e-6)
+  # A skipped step keeps everything.
+  bad = {"c": jnp.array([1.0, INF, 1.0]), "n": None, "z": None}
+  with standard_promotion():
+    kept, skipped = fused(tx, bad, state, params)
+  assert_trees_equal(kept, params)
+  assert int(skipped.skipped_steps) == 1
+
+
 def test_a_python_float_parameter_outside_jit_gets_an_error_that_names_it():
   # Under `jax.jit` a Python float parameter arrives as an array and is
   # differentiated; eagerly `value_and_grad` gives it None (array leaves only,

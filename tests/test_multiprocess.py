@@ -126,6 +126,16 @@ def test_set_loss_scale_keeps_a_global_state_global(two_processes):
     assert r["reset_sharding_kept"] == [True, True]
 
 
+def test_upgrade_state_keeps_a_global_state_global(two_processes):
+  # The fields an upgraded state gains are placed like the ones it had: one
+  # array over both processes' devices, which orbax saves and restores.
+  for r in two_processes:
+    assert r["upgraded_global"] == [True] * 4
+    assert r["upgraded_sharding_kept"] == [True] * 4
+    if "upgraded_restored" in r:
+      assert r["upgraded_restored"] == [1, 0, 0, 0]
+
+
 def test_a_global_state_saves_with_orbax_after_set_loss_scale(two_processes):
   if "restored_scale" not in two_processes[0]:
     pytest.skip("this orbax cannot checkpoint across processes with this JAX")

@@ -11,12 +11,8 @@ import jax.numpy as jnp
 
 from lossscale._applied import check_consulted
 from lossscale._dtypes import is_array
-from lossscale._scaled_grad import (
-  _set_value,
-  _unwrap,
-  find_state,
-  value_and_grad,
-)
+from lossscale._restore import set_value
+from lossscale._scaled_grad import _unwrap, find_state, value_and_grad
 
 
 def nnx_step(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
@@ -129,7 +125,7 @@ def nnx_step(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[...,
       nnx.update(node, jax.tree_util.tree_unflatten(treedef, leaves))
     # The wrapper's own state is its decision: the scale and counters move.
     for variable, value in zip(_variables(find_state(optimizer)), decided, strict=True):
-      _set_value(variable, value)
+      set_value(variable, value)
     return out
 
   return step
