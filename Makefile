@@ -125,4 +125,4 @@ clean:
 # only); tests/test_docs_tables.py fails while a table and its JSON differ.
 .PHONY: docs-tables
 docs-tables:
-	$(PYTHON) benchmarks/docs_tables.py --write
+	$(or $(PYTHON),python3) benchmarks/docs_tables.py --write

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """The docs' benchmark tables, generated from `benchmarks/results/*.json`.
 
 Usage:

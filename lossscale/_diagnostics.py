@@ -88,7 +88,8 @@ def check_not_stalled(
       (`overflows_at_min_scale > 0`): DeepSpeed's `raise_error_at_min_scale`,
       on the same step when checked after every step.
     scale_at_most: also raise when the last step was skipped and the scale
-      it left is at or below this, a positive float: fairseq's
+      it left is at or below this, a normal float32 (as every scale
+      setting is): fairseq's
       `min_loss_scale` (fairseq then restores the scale before; the run
       stops either way).
 
@@ -127,7 +128,7 @@ def check_not_stalled(
     min_scale = _checks.float32_scale(fn, "min_scale", min_scale)
   at_min_scale = _checks.boolean(fn, "at_min_scale", at_min_scale)
   if scale_at_most is not None:
-    scale_at_most = _checks.positive_finite(fn, "scale_at_most", scale_at_most)
+    scale_at_most = _checks.float32_scale(fn, "scale_at_most", scale_at_most)
   state = find_state(x)
   _check_floor(fn, state, at_min_scale, scale_at_most)
   consecutive = _concrete(fn, "state", state.consecutive_skips)

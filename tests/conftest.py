@@ -11,6 +11,25 @@ import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
+# A hang anywhere (a collective waiting forever, a deadlock) ends the run
+# with every thread's stack, well before CI's own limit would end it with
+# none. The whole suite takes about 7 minutes on 2 cores.
+SUITE_LIMIT_S = float(os.environ.get("LOSSSCALE_SUITE_LIMIT_S", 25 * 60))
+
+
+def pytest_configure(config):
+  import _backstop
+
+  # Here pytest is not capturing: fd 2 is the terminal (or CI's log), which
+  # the backstop keeps a copy of for when the tests' output is captured.
+  _backstop.arm(SUITE_LIMIT_S, os.dup(2))
+
+
+def pytest_unconfigure(config):
+  import _backstop
+
+  _backstop.disarm()
+
 
 def pytest_collection_modifyitems(items):
   """Docstring examples that show `jax.shard_map` skip on a JAX without it;

@@ -340,6 +340,9 @@ def test_batched_floor_triggers_raise_for_any_member():
     (dict(at_min_scale=1), "at_min_scale"),
     (dict(scale_at_most=0.0), "scale_at_most"),
     (dict(scale_at_most=float("nan")), "scale_at_most"),
+    # Subnormal: every other scale setting must be a normal float32.
+    (dict(scale_at_most=1e-45), "scale_at_most"),
+    (dict(scale_at_most=1e-39), "scale_at_most"),
   ],
 )
 def test_floor_trigger_settings_are_checked(kwargs, name):
