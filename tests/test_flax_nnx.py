@@ -304,3 +304,166 @@ def test_eager_and_jitted_steps_put_back_python_numbers_alike():
   # Counted on applied steps only: 1, 1 (skipped), 2; 1.0, 1.0, 2.0.
   assert [(int(c), float(v)) for c, v in runs[False]] == [(1, 1.0), (1, 1.0), (2, 2.0)]
   assert_trees_equal(runs[False], runs[True], weak_type=True)
+
+
+# ---------------------------------------------------------------------------
+# `with_metrics=True`: the step's metrics and the true gradients' norm.
+
+
+def _norm_of_plain_grads(model, loss_fn, *args):
+  """The global norm of the unscaled loss's gradients, in float64 NumPy: NNX's
+  own `nnx.grad`, no loss scale, no lossscale code."""
+  grads = nnx.grad(loss_fn)(model, *args)
+  leaves = [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
+  return float(np.sqrt(sum(np.sum(g**2) for g in leaves)))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
+def test_with_metrics_returns_step_metrics_and_the_unscaled_grad_norm(jit):
+  # float16 compute; the scale doubles after every applied step, so a norm
+  # taken with the scale after the update would be half the true one.
+  model = nnx.Linear(3, 2, dtype=jnp.float16, rngs=nnx.Rngs(0))
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=2.0**10, growth_interval=1)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  def loss_fn(m, x):
+    return jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+  step = ls.flax.nnx_step(loss_fn, with_metrics=True)
+  step = nnx.jit(step) if jit else step
+  x = jnp.array([[1.0, -2.0, 0.5], [0.25, 1.0, 3.0]])
+  reference = nnx.Linear(3, 2, rngs=nnx.Rngs(0))  # the same parameters, float32
+  expected = _norm_of_plain_grads(reference, loss_fn, x)
+  loss, metrics = step(optimizer, model, x)
+  assert np.isfinite(float(loss))
+  assert set(metrics) == {*ls.step_metrics(optimizer), "grad_norm"}
+  assert metrics["grad_norm"].dtype == jnp.float32 and metrics["grad_norm"].shape == ()
+  np.testing.assert_allclose(float(metrics["grad_norm"]), expected, rtol=1e-2)
+  assert_trees_equal(
+    {**metrics, "grad_norm": None}, {**ls.step_metrics(optimizer), "grad_norm": None}
+  )
+  assert float(metrics["loss_scale"]) == 2.0**11 and bool(metrics["applied"])
+  # A skipped step: its metrics say so, and the norm is not finite.
+  kernel = _get(model.kernel)
+  loss, metrics = step(optimizer, model, x.at[0, 0].set(jnp.inf))
+  assert_trees_equal(_get(model.kernel), kernel)
+  assert not bool(metrics["applied"]) and not np.isfinite(float(metrics["grad_norm"]))
+  assert [int(metrics[k]) for k in ("skipped_steps", "consecutive_skips")] == [1, 1]
+  assert float(metrics["loss_scale"]) == 2.0**10
+
+
+def test_with_metrics_and_aux_and_the_default_return():
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, ls.skip_nonfinite(optax.sgd(0.1)), wrt=nnx.Param)
+
+  def loss_fn(m, x):
+    out = m(x)
+    return jnp.mean(out**2), out
+
+  x = jnp.ones((1, 2))
+  (loss, out), metrics = ls.flax.nnx_step(loss_fn, has_aux=True, with_metrics=True)(
+    optimizer, model, x
+  )
+  assert out.shape == (1, 1) and loss.shape == () and "grad_norm" in metrics
+  loss, out = ls.flax.nnx_step(loss_fn, has_aux=True)(optimizer, model, x)
+  assert out.shape == (1, 1) and loss.shape == ()
+  assert (
+    ls.flax.nnx_step(lambda m, x: jnp.mean(m(x) ** 2))(optimizer, model, x).shape == ()
+  )
+  with pytest.raises(TypeError):  # keyword-only
+    ls.flax.nnx_step(loss_fn, True, True)
+
+
+# ---------------------------------------------------------------------------
+# NNX objects passed to the loss function are put back too.
+
+
+class DropNet(nnx.Module):
+  """Dropout that holds its `nnx.Rngs` (`held`) or is given one per call,
+  as Flax's MNIST tutorial does."""
+
+  def __init__(self, rngs, *, held):
+    self.linear = nnx.Linear(2, 4, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs if held else None)
+
+  def __call__(self, x, rngs=None):
+    return self.drop(self.linear(x), rngs=rngs)
+
+
+def _draws(*nodes):
+  """How many keys the RNG streams of `nodes` have drawn (each counted
+  once): a Dropout that holds its `nnx.Rngs` draws from a stream forked
+  from it on newer Flax, from the `nnx.Rngs` itself on Flax 0.10."""
+  return sum(int(c) for c in jax.tree.leaves(nnx.state(nodes, nnx.RngCount)))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
+@pytest.mark.parametrize("layout", ["held", "argument"])
+def test_a_skipped_step_puts_back_the_rng_count_in_either_layout(layout, jit):
+  held = layout == "held"
+  rngs = nnx.Rngs(params=0, dropout=1)
+  model = DropNet(rngs, held=held)
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  if held:
+    step = ls.flax.nnx_step(lambda m, x: jnp.mean(m(x) ** 2))
+  else:  # Flax's MNIST tutorial: `train_step(model, optimizer, metrics, rngs, batch)`
+    step = ls.flax.nnx_step(lambda m, r, x: jnp.mean(m(x, rngs=r) ** 2))
+  step = nnx.jit(step) if jit else step
+  args = () if held else (rngs,)
+  bad, good = jnp.array([[jnp.inf, 1.0]]), jnp.array([[1.0, 2.0]])
+  start = _draws(model, rngs)
+  step(optimizer, model, *args, bad)
+  assert _draws(model, rngs) == start and int(_get(optimizer.step)) == 0
+  step(optimizer, model, *args, good)
+  assert _draws(model, rngs) == start + 1 and int(_get(optimizer.step)) == 1
+  step(optimizer, model, *args, bad)
+  assert _draws(model, rngs) == start + 1
+  assert int(_get(find_state(optimizer).skipped_steps)) == 2
+
+
+class Tally(nnx.Module):
+  def __init__(self):
+    self.calls = Seen(jnp.zeros((), jnp.int32))
+
+
+# Flax 0.10's `nnx.jit` does not take a bare `nnx.Variable` argument.
+_JIT_TAKES_VARIABLES = "model" in inspect.signature(nnx.Optimizer.update).parameters
+
+
+@pytest.mark.parametrize(
+  "jit",
+  [
+    False,
+    pytest.param(
+      True,
+      marks=pytest.mark.skipif(
+        not _JIT_TAKES_VARIABLES, reason="Flax 0.10's nnx.jit: no bare Variables"
+      ),
+    ),
+  ],
+  ids=["eager", "nnx_jit"],
+)
+def test_a_skipped_step_puts_back_every_nnx_object_among_args_and_kwargs(jit):
+  # An nnx.Rngs by keyword (and again inside a dict), a module inside the
+  # dict, a bare Variable inside a list: selected as the model's own state is.
+  model = DropNet(nnx.Rngs(0), held=False)
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  rngs, tally, seen = nnx.Rngs(dropout=1), Tally(), Seen(jnp.zeros(2))
+
+  def loss_fn(m, x, extras, *, rngs):
+    assert extras["rngs"] is rngs
+    _set(extras["tally"].calls, _get(extras["tally"].calls) + 1)
+    _set(extras["seen"][0], x[0])  # inf from the bad batch
+    return jnp.mean(m(x, rngs=rngs) ** 2)
+
+  step = ls.flax.nnx_step(loss_fn)
+  step = nnx.jit(step) if jit else step
+  extras = {"tally": tally, "seen": [seen], "rngs": rngs}
+  for x, applied in [([[jnp.inf, 1.0]], 0), ([[1.0, 2.0]], 1), ([[2.0, jnp.nan]], 1)]:
+    step(optimizer, model, jnp.array(x), extras, rngs=rngs)
+    assert _draws(rngs) == applied and int(_get(tally.calls)) == applied
+    assert np.isfinite(np.asarray(_get(seen))).all()
+  assert_trees_equal(_get(seen), jnp.array([1.0, 2.0]))
+  assert int(_get(optimizer.step)) == 1
