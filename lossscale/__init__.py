@@ -9,7 +9,6 @@ from lossscale._diagnostics import LossScaleStalledError as LossScaleStalledErro
 from lossscale._diagnostics import check_not_stalled as check_not_stalled
 from lossscale._diagnostics import nonfinite_leaves as nonfinite_leaves
 from lossscale._distributed import cross_shard_mean as cross_shard_mean
-from lossscale._finite import all_finite as all_finite
 from lossscale._fused import apply_gradients as apply_gradients
 from lossscale._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from lossscale._loss_scale import skip_nonfinite as skip_nonfinite
@@ -22,10 +21,16 @@ from lossscale._precision import float16_range_report as float16_range_report
 from lossscale._precision import with_compute_dtype as with_compute_dtype
 from lossscale._restore import set_loss_scale as set_loss_scale
 from lossscale._restore import upgrade_state as upgrade_state
+from lossscale._rounding import SwallowedUpdates as SwallowedUpdates
+from lossscale._rounding import swallowed_updates as swallowed_updates
+from lossscale._rule import SKIP_REASONS as SKIP_REASONS
 from lossscale._rule import LossScaleState as LossScaleState
+from lossscale._rule import SkipSpikes as SkipSpikes
+from lossscale._rule import SpikeWindow as SpikeWindow
 from lossscale._scaled_grad import get_loss_scale as get_loss_scale
 from lossscale._scaled_grad import scale_loss as scale_loss
 from lossscale._scaled_grad import value_and_grad as value_and_grad
+from lossscale._wrapper import all_finite as all_finite
 
 try:
   __version__ = _metadata.version("lossscale")
@@ -33,9 +38,13 @@ except _metadata.PackageNotFoundError:  # running from a source tree
   __version__ = "0.0.0+unknown"
 
 __all__ = [
+  "SKIP_REASONS",
   "Float16RangeReport",
   "LossScaleStalledError",
   "LossScaleState",
+  "SkipSpikes",
+  "SpikeWindow",
+  "SwallowedUpdates",
   "all_finite",
   "apply_gradients",
   "cast_floating",
@@ -51,6 +60,7 @@ __all__ = [
   "static_loss_scale",
   "step_applied",
   "step_metrics",
+  "swallowed_updates",
   "unscale_gradients",
   "upgrade_state",
   "value_and_grad",

@@ -1,6 +1,6 @@
 """Whether the last step was applied, and keeping other state on a skip.
 
-`step_applied` reads the wrapper's `last_finite`; `where_applied` selects
+`step_applied` reads the wrapper's `last_applied`; `where_applied` selects
 between a step's new state and the old one with it, for state the optimizer
 does not hold (Haiku's BatchNorm statistics, say). Both, and every fused
 step (`apply_gradients`, `lossscale.flax.TrainState`, `nnx_step`), first
@@ -17,27 +17,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lossscale._rule import states_in
-from lossscale._scaled_grad import (
-  _unwrap,
-  find_state,
-  in_multi_steps,
-  multi_steps_error,
-)
+from lossscale._rule import LossScaleState, states_in
+from lossscale._scaled_grad import _unwrap, find_state, multi_steps_error
+from lossscale._wrapper import choose
 
 T = TypeVar("T")
-
-
-def _control_flow_containers() -> tuple[type, ...]:
-  # States of optax transformations that call their inner transformation
-  # inside `lax.cond`: a wrapper in there is not consulted on every step.
-  names = (
-    "MultiStepsState",
-    "ApplyIfFiniteState",
-    "ConditionallyMaskState",
-    "ConditionallyTransformState",
-  )
-  return tuple(getattr(optax, n) for n in names if hasattr(optax, n))
 
 
 def control_flow_error(where: str) -> ValueError:
@@ -54,28 +38,45 @@ def control_flow_error(where: str) -> ValueError:
   )
 
 
-def check_consulted(opt_state: Any) -> None:
-  """Raises `control_flow_error` when a loss-scaling state in `opt_state`
-  sits inside the state of `optax.MultiSteps`, `optax.apply_if_finite` or
-  `optax.conditionally_*`, whose inner transformation runs under `lax.cond`.
+def check_consulted(opt_state: Any, *, exactly_one: str | None = None) -> None:
+  """Raises where the loss-scaling state in `opt_state` is not consulted on
+  every step: inside `optax.MultiSteps` (`multi_steps_error`), or inside
+  `optax.apply_if_finite` or `optax.conditionally_*`, whose inner
+  transformation runs under `lax.cond` (`control_flow_error`). With
+  `exactly_one` (the caller's name), also where `opt_state` does not hold
+  exactly one.
 
-  A structural check, so it holds for an optax state, for the `opt_state`
-  of a Flax `TrainState` and for an `nnx.Optimizer`'s (whose leaves are
-  `nnx.Variable`s), traced or not.
+  A structural check, in one walk, so it holds for an optax state, for the
+  `opt_state` of a Flax `TrainState` and for an `nnx.Optimizer`'s (whose
+  leaves are `nnx.Variable`s), traced or not.
   """
-  if in_multi_steps(opt_state):
+  names = (
+    "MultiStepsState",
+    "ApplyIfFiniteState",
+    "ConditionallyMaskState",
+    "ConditionallyTransformState",
+  )
+  containers = tuple(getattr(optax, n) for n in names if hasattr(optax, n))
+  node = lambda x: isinstance(x, (*containers, LossScaleState))
+  nodes = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=node) if node(x)]
+  held = [n for n in nodes if not isinstance(n, LossScaleState) and states_in(n)]
+  if any(isinstance(n, optax.MultiStepsState) for n in held):
     raise multi_steps_error()
-  containers = _control_flow_containers()
-  is_container = lambda x: isinstance(x, containers)
-  for node in jax.tree_util.tree_leaves(opt_state, is_leaf=is_container):
-    if is_container(node) and states_in(node):
-      raise control_flow_error(f"optax's {type(node).__name__[:-5]}")
+  if held:
+    raise control_flow_error(f"optax's {type(held[0]).__name__[:-5]}")
+  count = sum(isinstance(n, LossScaleState) for n in nodes)
+  if exactly_one is not None and count != 1:
+    raise ValueError(
+      f"`{exactly_one}(tx=...)` must contain exactly one loss-scaling wrapper"
+      " (dynamic_loss_scale, static_loss_scale or skip_nonfinite), found"
+      f" {count or 'none'}."
+    )
 
 
 def step_applied(x: Any) -> jax.Array:
   """Returns whether the last step was applied (its gradients were finite).
 
-  The wrapper's [`LossScaleState.last_finite`][lossscale.LossScaleState]: True
+  The wrapper's [`LossScaleState.last_applied`][lossscale.LossScaleState]: True
   when the last `update` (or [`lossscale.apply_gradients`][]) applied its
   update, False when it skipped it, True before the first step. jmp's
   `grads_finite` and Flax `DynamicScale`'s `is_fin`, read after the step.
@@ -106,10 +107,10 @@ def step_applied(x: Any) -> jax.Array:
     Array(False, dtype=bool)
   """
   check_consulted(getattr(x, "opt_state", x))
-  return jnp.asarray(_unwrap(find_state(x).last_finite), jnp.bool_)
+  return jnp.asarray(_unwrap(find_state(x).last_applied), jnp.bool_)
 
 
-def _select(name: str, applied: jax.Array, path: Any, new: Any, old: Any) -> Any:
+def _check_leaf(name: str, applied: jax.Array, path: Any, new: Any, old: Any) -> None:
   new, old = jnp.asarray(new), jnp.asarray(old)
   if new.shape != old.shape or new.dtype != old.dtype:
     raise ValueError(
@@ -117,18 +118,13 @@ def _select(name: str, applied: jax.Array, path: Any, new: Any, old: Any) -> Any
       f" leaf: at {jax.tree_util.keystr(path)} got {new.dtype}{list(new.shape)}"
       f" and {old.dtype}{list(old.shape)}."
     )
-  if applied.ndim:  # a stacked state, outside the vmap or pmap that made it
-    if new.shape[: applied.ndim] != applied.shape:
-      raise ValueError(
-        f"`{name}(x=...)` holds a stacked state (a flag of shape"
-        f" {list(applied.shape)}), so every leaf must start with that shape:"
-        f" at {jax.tree_util.keystr(path)} got {new.dtype}{list(new.shape)}."
-        " Call it inside the jax.vmap or jax.pmap that steps the state."
-      )
-    applied = applied.reshape(applied.shape + (1,) * (new.ndim - applied.ndim))
-  # `lax.select`: the old bits (a -0.0, a NaN payload) come back exactly,
-  # and typed PRNG keys are taken as they are.
-  return jax.lax.select(jnp.broadcast_to(applied, new.shape), new, old)
+  if applied.ndim and new.shape[: applied.ndim] != applied.shape:
+    raise ValueError(
+      f"`{name}(x=...)` holds a stacked state (a flag of shape"
+      f" {list(applied.shape)}), so every leaf must start with that shape:"
+      f" at {jax.tree_util.keystr(path)} got {new.dtype}{list(new.shape)}."
+      " Call it inside the jax.vmap or jax.pmap that steps the state."
+    )
 
 
 def where_applied(x: Any, new: T, old: T) -> T:
@@ -142,9 +138,10 @@ def where_applied(x: Any, new: T, old: T) -> T:
   state = ls.where_applied(opt_state, new_state, state)
   ```
 
-  The flag is [`lossscale.step_applied`][]`(x)`; the selection is leaf by
-  leaf and bitwise (`jax.lax.select`, never arithmetic), so an inf or NaN
-  in a skipped step's `new` does not reach the result. Under `jax.vmap` and
+  The flag is [`lossscale.step_applied`][]`(x)`; the choice is the one
+  every step makes (a conditional, or a select per leaf under `jax.vmap`;
+  never arithmetic), bit for bit, so an inf or NaN in a skipped step's
+  `new` does not reach the result. Under `jax.vmap` and
   `jax.pmap` each member selects with its own flag; outside them, a stacked
   state's flags select along the leading axes of the leaves.
 
@@ -190,6 +187,11 @@ def where_applied(x: Any, new: T, old: T) -> T:
       f"`{name}(new=..., old=...)` must have the same tree structure, got"
       f" {new_def} and {old_def}."
     )
-  return jax.tree_util.tree_map_with_path(
-    lambda path, n, o: _select(name, applied, path, n, o), new, old
+  jax.tree_util.tree_map_with_path(
+    lambda path, n, o: _check_leaf(name, applied, path, n, o), new, old
   )
+  new, old = jax.tree.map(jnp.asarray, (new, old))
+  pick = lambda a, n, o: choose(a, lambda: n, lambda: o, operands=(n, o))
+  for _ in range(applied.ndim):  # a stacked state, outside its vmap or pmap
+    pick = jax.vmap(pick)
+  return pick(applied, new, old)

@@ -1,14 +1,30 @@
-"""Collectives over named axes, with errors that say how to bind the axis."""
+"""Named axes: what a step communicates over, agreeing over them, and a
+conditional whose branches vary over different ones.
+
+Under `jax.pmap` or `shard_map` every replica decides for itself whether to
+apply a step unless the decision is reduced across replicas (the wrapper's
+`axis_name`), or the gradients were all-reduced before it (then they are the
+same everywhere). A collective that runs where only some replicas go (inside
+the wrapper's conditional, or after it on updates some replicas skipped)
+breaks that: the replicas that skip never join the all-reduce (a hang), or
+they train on with other scales (a silent drift). So the wrapper agrees over
+every axis the inner optimizer communicates over (`communicated_axes` of its
+trace), `apply_gradients` over every axis the rest of the applied step
+communicates over, and `cross_shard_mean` refuses, at trace time, updates a
+wrapper decided on per replica (`mark_per_replica`). docs/data-parallel.md
+has the table of placements.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import weakref
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 
-from lossscale import _compat, _jax_internals, _speed
-from lossscale._speed import split as _split
+from lossscale import _jax_internals
 
 AxisName = Hashable | tuple[Hashable, ...]
 T = TypeVar("T")
@@ -62,74 +78,99 @@ def bound_collective(fn: str, axis_name: AxisName, collective: Callable[[], T]) 
     ) from e
 
 
-def cond(
-  pred: Any,
-  true_fn: Callable[[], T],
-  false_fn: Callable[[], T],
-  *,
-  operands: Any,
-  if_handed_out: Callable[[], Callable[[], T]] | None = None,
-  vet: Callable[[Any], None] | None = None,
-) -> T:
-  """`jax.lax.cond`, split for many outputs (`lossscale/_speed/split.py`), whose
-  branches may differ in which axes they vary over.
-
-  Inside `shard_map` a branch that computes from per-device values returns
-  "varying" arrays while one that returns constants or replicated state does
-  not, and `lax.cond` rejects the mismatch. Each output is then cast to the
-  union of both branches' varying axes (free: no communication).
-
-  Args:
-    pred: the scalar predicate.
-    true_fn: the branch taken when `pred` is true.
-    false_fn: the branch taken otherwise.
-    operands: every array the branches compute from. When none of them varies
-      over a manual axis (always so outside `shard_map`), no output can.
-    if_handed_out: gives the true branch to use instead where `true_fn`
-      hands values out of the computation (`lossscale/_speed/split.py`).
-    vet: called with the true branch's trace (a `ClosedJaxpr`) before any
-      conditional is built; it may raise.
-
-  Returns:
-    The output of the branch taken.
-  """
-  leaves = jax.tree_util.tree_leaves((pred, operands))
-  varying = any(_compat.varying_axes(x) for x in leaves if hasattr(x, "dtype"))
-  if not _speed.on("split"):
-    return _plain_cond(pred, true_fn, false_fn, varying, if_handed_out, vet)
-  if not varying:
-    return _split.cond(pred, true_fn, false_fn, None, if_handed_out, vet)
-  return _split.cond(pred, true_fn, false_fn, _varying_cond, if_handed_out, vet)
+def as_tuple(axis_name: Any) -> tuple[Hashable, ...]:
+  if axis_name is None:
+    return ()
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def _plain_cond(pred, true_fn, false_fn, varying, if_handed_out, vet):
-  """One `jax.lax.cond` (`LOSSSCALE_PLAIN=1`); the true branch is traced
-  first only where it must be looked at."""
-  if if_handed_out is not None or vet is not None:
-    closed = jax.make_jaxpr(true_fn)()
-    if if_handed_out is not None and _jax_internals.hands_out(closed):
-      true_fn = if_handed_out()
-      closed = jax.make_jaxpr(true_fn)()
-    if vet is not None:
-      vet(closed)
-  if varying:
-    return _varying_cond(pred, true_fn, false_fn)
-  return jax.lax.cond(pred, true_fn, false_fn)
+def union(*groups: Iterable[Hashable]) -> tuple[Hashable, ...]:
+  return tuple(dict.fromkeys(n for g in groups for n in g))
 
 
-def _varying_cond(pred: Any, true_fn: Callable[[], T], false_fn: Callable[[], T]) -> T:
+def agree(fn: str, axes: tuple, overflowed: Any, loss: Any, norm: Any) -> tuple:
+  """The decision's inputs, the same on every replica of `axes`: whether
+  any replica's gradients overflowed (one collective), and the replicas'
+  mean loss and gradient norm, where given (one more)."""
+  names = axes[0] if len(axes) == 1 else axes
+  flag = jnp.asarray(overflowed).astype(jnp.int32)
+  overflowed = bound_collective(fn, names, lambda: jax.lax.pmax(flag, names) > 0)
+  values = [x for x in (loss, norm) if x is not None]
+  if values:
+    values = bound_collective(
+      fn,
+      names,
+      lambda: jax.lax.pmean([jnp.asarray(v, jnp.float32) for v in values], names),
+    )
+    it = iter(values)
+    loss, norm = (None if x is None else next(it) for x in (loss, norm))
+  return overflowed, loss, norm
+
+
+def conditional(operands: Any) -> Callable[..., Any]:
+  """`jax.lax.cond`, or, where an operand varies over a manual axis (inside
+  `shard_map`), a `lax.cond` whose outputs are cast to the union of both
+  branches' varying axes: one branch computes from per-device values and
+  the other returns constants or replicated state, and `lax.cond` rejects
+  the mismatch (the cast is free: no communication)."""
+  leaves = jax.tree_util.tree_leaves(operands)
+  if any(_jax_internals.varying_axes(x) for x in leaves if hasattr(x, "dtype")):
+    return varying_cond
+  return jax.lax.cond
+
+
+def varying_cond(pred: Any, true_fn: Callable[[], T], false_fn: Callable[[], T]) -> T:
   """`jax.lax.cond`, each output cast to both branches' varying axes."""
   want = jax.tree.map(
-    lambda a, b: _compat.varying_axes(a) | _compat.varying_axes(b),
+    lambda a, b: _jax_internals.varying_axes(a) | _jax_internals.varying_axes(b),
     jax.eval_shape(true_fn),
     jax.eval_shape(false_fn),
   )
 
   def cast(x, axes):
-    missing = tuple(sorted(axes - _compat.varying_axes(x), key=str))
-    return _compat.cast_to_varying(x, missing) if missing else x
+    missing = tuple(sorted(axes - _jax_internals.varying_axes(x), key=str))
+    return _jax_internals.cast_to_varying(x, missing) if missing else x
 
   def matched(fn):
     return lambda: jax.tree.map(cast, fn(), want)
 
   return jax.lax.cond(pred, matched(true_fn), matched(false_fn))
+
+
+# Updates a wrapper returned after deciding per replica (no axis reduced
+# over), by the identity of their tracers, weakly: an entry lives as long as
+# the trace that made it. Only `cross_shard_mean` reads it, to refuse them.
+_per_replica: dict[int, tuple[weakref.ref, tuple[Hashable, ...]]] = {}
+
+
+def mark_per_replica(updates: Any, agreed: tuple[Hashable, ...]) -> None:
+  """Records that `updates` (traced) were decided on with the decision
+  reduced over `agreed` only."""
+  for x in jax.tree_util.tree_leaves(updates):
+    if isinstance(x, jax.core.Tracer):
+      key = id(x)
+      forget = lambda _, k=key: _per_replica.pop(k, None)
+      _per_replica[key] = (weakref.ref(x, forget), agreed)
+
+
+def check_not_per_replica(fn: str, axis_name: Any, updates: Any) -> None:
+  """Raises when `updates` came from a wrapper whose decision was not
+  reduced over every axis of `axis_name`: replicas that decided otherwise
+  would be averaged together (or wait on each other)."""
+  want = as_tuple(axis_name)
+  for x in jax.tree_util.tree_leaves(updates):
+    entry = _per_replica.get(id(x))
+    if entry is None or entry[0]() is not x:
+      continue
+    missing = [n for n in want if n not in entry[1]]
+    if missing:
+      raise ValueError(
+        f"`{fn}({axis_name!r})` is chained after a loss-scaling wrapper that"
+        f" decides per replica: without `axis_name={missing[0]!r}` each replica"
+        " skips or applies the step on its own gradients, and the replicas'"
+        " scales and optimizer states drift apart. Chain"
+        f" `{fn}({axis_name!r})` before the wrapper"
+        f" (`optax.chain(lossscale.{fn}({axis_name!r}),"
+        " lossscale.dynamic_loss_scale(...))`, which needs no further"
+        f" collective), or pass `axis_name={axis_name!r}` to the wrapper."
+      )

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lossscale._dtypes import is_array, is_inexact
 from lossscale._rule import LossScaleState
+from lossscale._unscale import is_array, is_inexact
 
 _INT32_MAX = 2**31 - 1
 
@@ -98,15 +98,15 @@ def fraction(fn: str, name: str, value: Any) -> float:
 
 def non_negative_int(fn: str, name: str, value: Any) -> int:
   """Accepts Python, NumPy and concrete JAX integer scalars in [0, 2**31 - 1]."""
-  return _int_at_least(fn, name, value, 0, "a non-negative int")
+  return int_at_least(fn, name, value, 0, "a non-negative int")
 
 
 def positive_int(fn: str, name: str, value: Any) -> int:
   """Accepts Python, NumPy and concrete JAX integer scalars in [1, 2**31 - 1]."""
-  return _int_at_least(fn, name, value, 1, "a positive int")
+  return int_at_least(fn, name, value, 1, "a positive int")
 
 
-def _int_at_least(fn: str, name: str, value: Any, lowest: int, kind: str) -> int:
+def int_at_least(fn: str, name: str, value: Any, lowest: int, kind: str) -> int:
   v = None
   if isinstance(value, numbers.Integral) and not isinstance(value, bool):
     v = int(value)
@@ -166,7 +166,29 @@ def check_inner(fn: str, inner: Any) -> None:
     )
 
 
-def check_state(fn: str, state: Any) -> None:
+# Flax's float8 layers keep their scales and amax histories in this
+# collection; their "gradients" are their new values, not gradients.
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+
+def check_update(fn: str, updates: Any, state: Any, params: Any, apply: Any) -> None:
+  """What a wrapper's `update` refuses before its step is traced: Flax's
+  float8 state among the gradients (it would be divided by the loss
+  scale), a state that is not its own, and (with `params`) gradients that
+  cannot be the gradient of `params` for the inner optimizer, which
+  `apply()` runs (under `eval_shape`, only where the trees differ)."""
+  for path, _ in jax.tree_util.tree_flatten_with_path(updates)[0]:
+    if any(getattr(k, "key", None) == OVERWRITE_WITH_GRADIENT for k in path):
+      raise ValueError(
+        f"`{fn}`: the gradients hold Flax's float8 state at"
+        f" {jax.tree_util.keystr(path)} (the `{OVERWRITE_WITH_GRADIENT}`"
+        " collection, whose 'gradients' are the new scales and amax"
+        " histories, not gradients of the scaled loss): the wrapper would"
+        " divide them by the loss scale. Give the wrapper the trained"
+        " parameters' gradients only (`grads['params']`) and overwrite the"
+        " float8 state yourself, or use lossscale.flax.TrainState, which"
+        " does both as Flax's TrainState does."
+      )
   if not isinstance(state, LossScaleState):
     raise TypeError(
       f"`{fn}(...).update` expects the lossscale.LossScaleState that the"
@@ -174,6 +196,13 @@ def check_state(fn: str, state: Any) -> None:
       " the state with `tx.init(params)` of the same wrapper (an optimizer"
       " state saved without the wrapper cannot be resumed as one)."
     )
+  shapes = lambda t: [getattr(x, "shape", None) for x in jax.tree.leaves(t)]
+  g_def: Any = jax.tree.structure(updates)  # Any: see `cast_like`
+  if params is None or (
+    g_def == jax.tree.structure(params) and shapes(updates) == shapes(params)
+  ):
+    return  # the common case: the gradients have the params' tree and shapes
+  _check_gradients(fn, updates, params, state.inner_state, apply)
 
 
 def _gradients_tree_in(params: Any, grads: Any) -> Any:
@@ -284,7 +313,7 @@ def _leading_dims_at(grads: Any, params: Any) -> str | None:
   return None
 
 
-def check_gradients(
+def _check_gradients(
   fn: str, grads: Any, params: Any, inner_state: Any, apply: Any
 ) -> None:
   """Raises a clear `ValueError` when `grads` cannot be the gradient of
@@ -340,23 +369,26 @@ def _keeps_types(new: Any, old: Any) -> bool:
   return shapes(new) == shapes(old)
 
 
-# Flax's float8 layers keep their scales and amax histories in this
-# collection; their "gradients" are their new values, not gradients.
-OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
-
-
-def check_no_overwrite(fn: str, grads: Any) -> None:
-  """Refuses Flax's float8 `_overwrite_with_gradient` values among the
-  gradients: the wrapper would divide them by the loss scale."""
-  for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    if any(getattr(k, "key", None) == OVERWRITE_WITH_GRADIENT for k in path):
+def loss_value(fn: str, spikes: Any, loss: Any) -> Any:
+  """The loss the decision reads, optax's `value=`: a real floating scalar,
+  or a Python number (taken as float32, as `jax.jit` would); with `spikes`
+  testing the loss it must be given."""
+  if isinstance(loss, (float, int)) and not isinstance(loss, bool):
+    loss = jnp.asarray(loss, jnp.float32)
+  if loss is not None:
+    dtype, shape = getattr(loss, "dtype", None), getattr(loss, "shape", None)
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(
-        f"`{fn}`: the gradients hold Flax's float8 state at"
-        f" {jax.tree_util.keystr(path)} (the `{OVERWRITE_WITH_GRADIENT}`"
-        " collection, whose 'gradients' are the new scales and amax"
-        " histories, not gradients of the scaled loss): the wrapper would"
-        " divide them by the loss scale. Give the wrapper the trained"
-        " parameters' gradients only (`grads['params']`) and overwrite the"
-        " float8 state yourself, or use lossscale.flax.TrainState, which"
-        " does both as Flax's TrainState does."
+        f"`{fn}(...).update(value=...)` must be the loss, a real floating scalar"
+        f" (optax's name for it), got {type(loss).__name__} of dtype {dtype} and"
+        f" shape {shape} instead."
       )
+  if spikes is not None and spikes.loss and loss is None:
+    raise ValueError(
+      f"`{fn}(skip_spikes=...)` tests the loss, and `update` was not given it:"
+      " pass the unscaled loss as optax's `value=`"
+      " (`tx.update(grads, state, params, value=loss)`,"
+      " `ls.apply_gradients(tx, grads, state, params, value=loss)`), or test"
+      " the gradient norm only (`SkipSpikes(loss=False)`)."
+    )
+  return loss

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale import _checks
-from lossscale._dtypes import is_inexact
 from lossscale._scaled_grad import _unwrap, find_state
+from lossscale._unscale import is_inexact
 
 # Well above the longest stretch of skips a healthy run shows: backing off
 # from the largest default scale (2**24) to the smallest (1.0) takes 24
@@ -147,6 +147,35 @@ def check_not_stalled(
     where = f" (batched or replicated state: members {stalled_members})"
     scale = float(np.min(np.broadcast_to(scales, consecutive.shape)[stalled]))
     total = int(np.broadcast_to(skipped, consecutive.shape)[stalled].max())
+  reasons = _concrete(fn, "state", state.last_skip_reason)
+  reason = int(np.max(np.broadcast_to(reasons, consecutive.shape)[stalled]))
+  raise LossScaleStalledError(
+    f"The last {worst} optimizer steps were all skipped{where}"
+    f" {_cause(reason, scale, min_scale)} ({total} skipped steps in total; limit"
+    f" max_consecutive_skips={max_consecutive_skips}). See the Troubleshooting"
+    " page of the lossscale docs."
+  )
+
+
+def _cause(reason: int, scale: float, min_scale: float | None) -> str:
+  """Why the steps were skipped, by the last skip's reason, and what to do."""
+  if reason == 2:  # nonfinite_loss
+    return (
+      "because the loss itself is inf or NaN: no loss scale fixes this (the"
+      f" scale, {scale:g}, was left alone). Likely causes: NaN or inf in the"
+      " input data or labels; NaN or inf already in the parameters (check"
+      " with lossscale.nonfinite_leaves(params)); a loss computed in float16"
+      " that overflows (compute it and its reductions in float32); a log or a"
+      " division of zero in the loss"
+    )
+  if reason in (3, 4):  # loss_spike, grad_norm_spike
+    what = "loss" if reason == 3 else "unscaled gradient norm"
+    return (
+      f"because the {what} was a spike against its window, step after step:"
+      " its level may have moved for good (a new data mix, a schedule"
+      " change), which the window takes in only slowly. Raise SkipSpikes'"
+      " sigmas or shorten its window, or look for a bad shard of the data"
+    )
   if min_scale is None:
     scale_note = (
       f"The loss scale is now {scale:g}; a dynamic scale backs off to its"
@@ -165,16 +194,14 @@ def check_not_stalled(
       f"The loss scale is {scale:g}, above the min_scale={min_scale:g} you"
       " gave: a dynamic scale is still backing off (a static one never does)."
     )
-  raise LossScaleStalledError(
-    f"The last {worst} optimizer steps were all skipped{where} because the"
-    f" gradients held inf or NaN ({total} skipped steps in total; limit"
-    f" max_consecutive_skips={max_consecutive_skips}). {scale_note} Likely"
-    " causes: NaN or inf already in the parameters or the optimizer state"
-    " (check with lossscale.nonfinite_leaves(params)); NaN or inf in the"
-    " input data or labels; a learning rate too high, so the model diverged;"
-    " a loss computed in float16 that overflows even at the minimum scale"
-    " (compute the loss and its reductions in float32). See the"
-    " Troubleshooting page of the lossscale docs."
+  return (
+    f"because the gradients held inf or NaN. {scale_note} Likely causes: NaN"
+    " or inf already in the parameters or the optimizer state (check with"
+    " lossscale.nonfinite_leaves(params)); NaN or inf in the input data or"
+    " labels; a learning rate too high, so the model diverged; a loss"
+    " computed in float16 that overflows even at the minimum scale (compute"
+    " the loss and its reductions in float32). Give the wrapper the loss as"
+    " `value=` to tell a bad loss from an overflow"
   )
 
 

@@ -7,8 +7,8 @@ from typing import Any
 import jax
 import optax
 
-from lossscale import _axes, _collectives
-from lossscale._dtypes import is_inexact
+from lossscale import _axes
+from lossscale._unscale import is_inexact
 
 _REDUCTIONS = ("mean", "sum")
 
@@ -98,7 +98,7 @@ def cross_shard_mean(
 
   def update_fn(updates, state, params=None):
     del params
-    _collectives.check_not_per_replica(fn, axis_name, updates)
+    _axes.check_not_per_replica(fn, axis_name, updates)
     leaves, treedef = jax.tree.flatten(updates)
     picked = [x for x in leaves if is_inexact(x)]
     # One call for all leaves: XLA sees one all-reduce to combine or pipeline.

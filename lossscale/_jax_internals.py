@@ -1,18 +1,21 @@
-"""Every use of JAX's private or unstable surface, in one place.
+"""Everything that differs across the supported JAX releases, in one place.
 
 Jaxprs (`jax.extend.core`), tracer classes, effects and the `cond`
-primitive change from release to release; the rest of the package reaches
-them only through these functions. tests/test_jax_internals.py checks each
-one at both ends of the supported range (jax 0.4.35 and the newest), so a
-JAX release that changes one fails there, by name, rather than somewhere
-downstream or, worse, in a silent fallback.
+primitive change from release to release, and a few public spellings moved
+(varying-axis types, batching an optimization barrier); the rest of the
+package reaches them only through these functions.
+tests/test_jax_internals.py checks each one at both ends of the supported
+range (jax 0.4.35 and the newest), so a JAX release that changes one fails
+there, by name, rather than somewhere downstream or, worse, in a silent
+fallback.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import Iterator
+import inspect as _inspect
+import numbers
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -40,64 +43,63 @@ def batched(x: Any) -> bool:
   return any(c.__name__ == "BatchTracer" for c in type(x).__mro__)
 
 
-def has_effects(closed: Any) -> bool:
-  """Whether the traced computation `closed` (a `ClosedJaxpr`) has effects
-  (`jax.debug.callback`, `jax.debug.print`, `io_callback`), other than the
-  mark a collective over a `jax.vmap` axis leaves, which does nothing."""
-  return any(type(e).__name__ != "NamedAxisEffect" for e in closed.effects)
+# `closed` (a `ClosedJaxpr`) as a function of its inputs, which binds its
+# equations where it is called (`jax.extend.core`, 0.4.35 to 0.12).
+jaxpr_as_fun = jax_core.jaxpr_as_fun
+
+# Primitives that name an axis but exchange nothing between replicas.
+_LOCAL_AXIS_PRIMITIVES = frozenset({"axis_index", "pvary", "pcast", "pbroadcast"})
 
 
-def jaxpr_as_fun(closed: Any) -> Any:
-  """`closed` (a `ClosedJaxpr`) as a function of its inputs, which binds its
-  equations where it is called (`jax.extend.core`, 0.4.35 to 0.12)."""
-  return jax_core.jaxpr_as_fun(closed)
-
-
-def hands_out(closed: Any) -> bool:
-  """Whether the traced computation `closed` (a `ClosedJaxpr`) hands values
-  out of itself: it has effects (`jax.debug.callback`, `jax.debug.print`,
-  `io_callback`; not the mark a collective over a `jax.vmap` axis leaves,
-  which hands nothing out), or calls out, nested calls and branches
-  included (a `jax.pure_callback`, which has no effect, a foreign function,
-  a custom call)."""
-  if has_effects(closed):
-    return True
-  names = {eqn.primitive.name for eqn in eqns_within(closed.jaxpr)}
-  return any("callback" in n or n == "ffi_call" or "custom_call" in n for n in names)
-
-
-def eqns_within(jaxpr: Any) -> Iterator[Any]:
-  """Every equation of `jaxpr` and of the jaxprs nested in its equations'
-  parameters (calls, both branches of a conditional, loop bodies), a
-  `ClosedJaxpr`'s or one held in a tuple included, and those an object
-  parameter holds as attributes (JAX 0.12 binds `lax.custom_root` as a
-  primitive whose one parameter keeps its jaxprs that way)."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    yield from eqns_nested_in(eqn)
-
-
-def eqns_nested_in(eqn: Any) -> Iterator[Any]:
-  """Every equation of the jaxprs nested in `eqn`'s parameters (see
-  `eqns_within`)."""
-  for value in eqn.params.values():
-    for sub in _nested_jaxprs(value):
-      yield from eqns_within(sub)
-
-
-def _nested_jaxprs(value: Any, depth: int = 0) -> Iterator[Any]:
-  for item in value if isinstance(value, (tuple, list)) else (value,):
-    item = getattr(item, "jaxpr", item)  # a ClosedJaxpr's Jaxpr
-    if hasattr(item, "eqns"):
-      yield item
-    elif not depth and hasattr(item, "__dict__"):
-      for attribute in vars(item).values():
-        yield from _nested_jaxprs(attribute, depth + 1)
+def inspect(closed: Any) -> tuple[tuple[Any, ...], bool]:
+  """What a traced step (a `ClosedJaxpr`) does beyond computing: the named
+  axes it communicates over, in order of first appearance (collectives,
+  `psum`, `pmean`, `all_gather`, `ppermute`..., in its used equations,
+  nested calls and branches included; `make_jaxpr` keeps dead code, such
+  as an all-reduce `apply_gradients`' applied branch no longer uses), and
+  whether it hands values out of itself (effects, `jax.debug.callback`,
+  `io_callback`, but not the mark a collective over a `jax.vmap` axis
+  leaves; or a call out, `jax.pure_callback`, a foreign function, a custom
+  call, which have none). One walk, with no helper: it runs on every step."""
+  effects = lambda x: any(type(e).__name__ != "NamedAxisEffect" for e in x.effects)
+  variable = lambda v: not (hasattr(v, "val") and not hasattr(v, "count"))
+  jaxpr = closed if _JAXPRS_HOLD_CONSTS else closed.jaxpr
+  live = {v for v in jaxpr.outvars if variable(v)}
+  todo: list[Any] = []
+  for eqn in reversed(jaxpr.eqns):  # the live top-level equations
+    if effects(eqn) or any(v in live for v in eqn.outvars):
+      todo.append(eqn)
+      live.update(v for v in eqn.invars if variable(v))
+  axes: dict[Any, None] = {}
+  hands = effects(closed)
+  while todo:
+    eqn = todo.pop()
+    name = eqn.primitive.name
+    hands = hands or "callback" in name or name == "ffi_call" or "custom_call" in name
+    if name not in _LOCAL_AXIS_PRIMITIVES:
+      names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+      names = names if isinstance(names, (tuple, list)) else (names,)
+      # Positional axes (integers, NumPy's too: `reduce_sum`'s, or a
+      # collective over a vmapped dimension) are not named axes.
+      for n in names:
+        if isinstance(n, Hashable) and not isinstance(n, numbers.Integral):
+          axes[n] = None
+    # Nested jaxprs: calls, branches, loop bodies, held as they are, in a
+    # tuple, or (JAX 0.12's `custom_root`) as an attribute of a parameter.
+    values = list(eqn.params.values())
+    values += [a for v in values if hasattr(v, "__dict__") for a in vars(v).values()]
+    for value in values:
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        item = getattr(item, "jaxpr", item)  # a ClosedJaxpr's Jaxpr
+        eqns = getattr(item, "eqns", None)
+        if eqns is not None:
+          todo.extend(reversed(eqns))
+  return tuple(axes), hands
 
 
 @functools.cache
 def _var_takes_suffix() -> bool:
-  return "suffix" in inspect.signature(jax_core.Var).parameters
+  return "suffix" in _inspect.signature(jax_core.Var).parameters
 
 
 def new_var(aval: Any) -> Any:
@@ -110,24 +112,22 @@ def new_var(aval: Any) -> Any:
   return var("", aval) if _var_takes_suffix() else var(aval)
 
 
-@functools.cache
-def _jaxprs_hold_consts() -> bool:
-  """Whether a jaxpr carries its constants itself: from jax 0.12 on,
-  `ClosedJaxpr` is `Jaxpr` (the name kept as an alias, to be removed), and
-  `closed.jaxpr`, the closed jaxpr itself, is a legacy accessor too."""
-  return getattr(jax_core, "ClosedJaxpr", jax_core.Jaxpr) is jax_core.Jaxpr
+# Whether a jaxpr carries its constants itself: from jax 0.12 on,
+# `ClosedJaxpr` is `Jaxpr` (the name kept as an alias, to be removed), and
+# `closed.jaxpr`, the closed jaxpr itself, is a legacy accessor too.
+_JAXPRS_HOLD_CONSTS = getattr(jax_core, "ClosedJaxpr", jax_core.Jaxpr) is jax_core.Jaxpr
 
 
 def open_jaxpr(closed: Any) -> Any:
   """The jaxpr of a closed one (`jax.make_jaxpr`'s result, a `jit` call's
   `jaxpr` parameter): its `constvars`, `invars`, `outvars` and
   `debug_info` (`eqns`, `effects` and `consts` are the closed one's too)."""
-  return closed if _jaxprs_hold_consts() else closed.jaxpr
+  return closed if _JAXPRS_HOLD_CONSTS else closed.jaxpr
 
 
 def close_jaxpr(jaxpr: Any) -> Any:
   """`jaxpr`, built without constants, closed, as `cond_p` takes branches."""
-  if _jaxprs_hold_consts():
+  if _JAXPRS_HOLD_CONSTS:
     return jaxpr
   return jax_core.ClosedJaxpr(jaxpr, [])
 
@@ -135,20 +135,6 @@ def close_jaxpr(jaxpr: Any) -> Any:
 def is_literal(v: Any) -> bool:
   """Whether the jaxpr atom `v` is a `Literal` (a constant), not a `Var`."""
   return hasattr(v, "val") and not hasattr(v, "count")
-
-
-def live_eqns(jaxpr: Any) -> list[Any]:
-  """The top-level equations of `jaxpr` whose results are used (or that
-  have effects), last first: `make_jaxpr` keeps dead code, such as an
-  all-reduce chained before the wrapper that `apply_gradients`' applied
-  branch does not use."""
-  live = {v for v in jaxpr.outvars if not is_literal(v)}
-  kept = []
-  for eqn in reversed(jaxpr.eqns):
-    if has_effects(eqn) or any(v in live for v in eqn.outvars):
-      kept.append(eqn)
-      live.update(v for v in eqn.invars if not is_literal(v))
-  return kept
 
 
 def bind_eqn(eqn: Any, args: list[Any]) -> list[Any]:
@@ -193,3 +179,39 @@ def nameless_debug_info(like: Any) -> Any:
     return info._replace(arg_names=None, result_paths=None)
   except (AttributeError, TypeError, ValueError):  # another JAX's spelling
     return None
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The manual mesh axes `x` varies over inside `shard_map` (empty outside).
+
+  `x` is an array, a tracer or a `jax.ShapeDtypeStruct`. JAX releases before
+  varying-axis types (`jax.typeof(x).vma`) have no such notion: empty there.
+  """
+  aval = x
+  if not isinstance(x, jax.ShapeDtypeStruct) and hasattr(jax, "typeof"):
+    aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", None) or ())
+
+
+def cast_to_varying(x: Any, axes: tuple) -> Any:
+  """Marks `x` as varying over `axes` too (free: no communication)."""
+  return jax.lax.pcast(x, axes, to="varying")
+
+
+def _barrier_batches() -> bool:
+  """Whether this JAX can `vmap` an optimization barrier (jax 0.4.35 cannot):
+  asked once, at import, abstractly (no device is touched)."""
+  try:
+    spec = jax.ShapeDtypeStruct((2,), jnp.float32)
+    jax.eval_shape(jax.vmap(jax.lax.optimization_barrier), spec)
+  except Exception:
+    return False
+  return True
+
+
+# Whether the unscale factors can sit behind an optimization barrier, which
+# keeps XLA from folding them into one subnormal (`_unscale.unscale_factors`).
+BARRIER_BATCHES = _barrier_batches()

@@ -12,7 +12,7 @@ from typing import Any
 import optax
 
 from lossscale import _axes, _checks
-from lossscale._rule import Rule
+from lossscale._rule import Rule, SkipSpikes
 from lossscale._wrapper import wrap
 
 
@@ -31,6 +31,7 @@ def dynamic_loss_scale(
   consecutive_hysteresis: bool = False,
   growth_delay: int = 0,
   tolerance: float = 0.0,
+  skip_spikes: SkipSpikes | None = None,
   enabled: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` with dynamic loss scaling and skip-on-overflow.
@@ -82,7 +83,14 @@ def dynamic_loss_scale(
     hysteresis: the scale backs off on the `hysteresis`-th overflow since it
       last grew (`hysteresis - 1` are tolerated; none with the default 1).
     min_scale: the lowest scale, a normal float32 (`>= 2**-126`).
-    max_scale: the highest scale, a finite float32.
+    max_scale: the highest scale, a finite float32. The scale multiplies
+      the loss in float32, so it may pass float16's largest value (65504)
+      when the loss is reduced in float32: what enters the float16 backward
+      pass is the scale times the loss's derivative, and the finite check
+      bounds it. Use `max_scale=65504.0` when the loss itself is a float16
+      value (the backward pass then starts from the scale rounded to
+      float16, inf above 65504) or to reproduce MPX ([Coming from
+      MPX][scales-above-65504]).
     axis_name: axis name(s) over which the finite flag is reduced. The
       axes a collective inside `inner` communicates over (a
       `cross_shard_mean` chained inside) are added to them, so that every
@@ -101,6 +109,10 @@ def dynamic_loss_scale(
       scale off only when the skipped steps since the last back-off, over the
       steps since the last growth or back-off, are `>= tolerance` (computed
       in float32). 0 backs off on every overflow; needs `hysteresis=1`.
+    skip_spikes: a [`lossscale.SkipSpikes`][] to also skip a step whose
+      loss (given as `value=`) or unscaled gradient norm is a spike, leaving
+      the scale alone; None (the default) does not test them and costs
+      nothing. [Skipping bad steps][skipping-bad-steps].
     enabled: `False` gives exactly `inner` (no scaling, no skipping) with the
       same state structure and dtypes and a loss scale of 1 (a restored
       state's scale is divided out of its first step, then set to 1); float16
@@ -177,6 +189,7 @@ def dynamic_loss_scale(
     tolerance=v.fraction(fn, "tolerance", tolerance),
     min_scale=min_scale,
     max_scale=max_scale,
+    spikes=_spikes(fn, skip_spikes),
   )
   return _build(fn, inner, rule, axis_name, enabled)
 
@@ -199,10 +212,20 @@ def _policy_rule(fn: str, **settings: Any) -> Rule:
   return rule
 
 
+def _spikes(fn: str, skip_spikes: Any) -> SkipSpikes | None:
+  if skip_spikes is not None and not isinstance(skip_spikes, SkipSpikes):
+    raise ValueError(
+      f"`{fn}(skip_spikes=...)` must be a lossscale.SkipSpikes or None, got"
+      f" {skip_spikes!r} instead."
+    )
+  return skip_spikes
+
+
 def _build(fn, inner, rule, axis_name, enabled):
   axis_name = _axes.validate_axis_name(fn, axis_name)
   if not _checks.boolean(fn, "enabled", enabled):
-    rule = Rule(initial_scale=1.0, dynamic=False, enabled=False)
+    # Exactly `inner`; the same state structure (a spike window included).
+    rule = Rule(initial_scale=1.0, dynamic=False, enabled=False, spikes=rule.spikes)
   return wrap(fn, inner, rule, axis_name)
 
 
@@ -211,6 +234,7 @@ def static_loss_scale(
   loss_scale: float,
   *,
   axis_name: _axes.AxisName | None = None,
+  skip_spikes: SkipSpikes | None = None,
   enabled: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` with a fixed loss scale and skip-on-overflow.
@@ -225,6 +249,7 @@ def static_loss_scale(
     inner: the optimizer to wrap, any `optax.GradientTransformation`.
     loss_scale: the fixed scale, a normal float32 (`>= 2**-126`).
     axis_name: axis name(s) over which the finite flag is reduced.
+    skip_spikes: as for [`lossscale.dynamic_loss_scale`][].
     enabled: `False` gives exactly `inner` (no scaling, no skipping) with the
       same state structure and dtypes and a loss scale of 1.
 
@@ -250,7 +275,13 @@ def static_loss_scale(
   """
   fn = "static_loss_scale"
   scale = _checks.float32_scale(fn, "loss_scale", loss_scale)
-  rule = Rule(initial_scale=scale, dynamic=False, min_scale=scale, max_scale=scale)
+  rule = Rule(
+    initial_scale=scale,
+    dynamic=False,
+    min_scale=scale,
+    max_scale=scale,
+    spikes=_spikes(fn, skip_spikes),
+  )
   return _build(fn, inner, rule, axis_name, enabled)
 
 
@@ -258,6 +289,7 @@ def skip_nonfinite(
   inner: optax.GradientTransformation,
   *,
   axis_name: _axes.AxisName | None = None,
+  skip_spikes: SkipSpikes | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps `inner` to skip steps whose gradients hold an inf or a NaN.
 
@@ -274,6 +306,7 @@ def skip_nonfinite(
   Args:
     inner: the optimizer to wrap, any `optax.GradientTransformation`.
     axis_name: axis name(s) over which the finite flag is reduced.
+    skip_spikes: as for [`lossscale.dynamic_loss_scale`][].
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is a
@@ -296,5 +329,5 @@ def skip_nonfinite(
     TensorFlow `LossScaleOptimizer` (skipping non-finite steps).
   """
   fn = "skip_nonfinite"
-  rule = Rule(initial_scale=1.0, dynamic=False)
+  rule = Rule(initial_scale=1.0, dynamic=False, spikes=_spikes(fn, skip_spikes))
   return _build(fn, inner, rule, axis_name, True)

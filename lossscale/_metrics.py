@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from lossscale._applied import step_applied
-from lossscale._dtypes import numbers_as_arrays
+from lossscale._rule import SKIP_REASONS
 from lossscale._scaled_grad import _unwrap, find_state, get_loss_scale
-from lossscale._unscale import unscale, unscale_factors
+from lossscale._unscale import numbers_as_arrays, unscale, unscale_factors
 
 
 def unscale_gradients(grads: Any, x: Any) -> Any:
@@ -83,7 +83,15 @@ def step_metrics(x: Any) -> dict[str, jax.Array]:
       finite; [`lossscale.step_applied`][]);
     - `"skipped_steps"`: int32, steps skipped so far;
     - `"consecutive_skips"`: int32, steps skipped in a row up to this one
-      (0 after an applied step; [`lossscale.check_not_stalled`][] reads it).
+      (0 after an applied step; [`lossscale.check_not_stalled`][] reads it);
+    - `"skip_reason"`: int32, why this step was skipped: 0 when it was
+      applied, else 1 + the index of the reason in `lossscale.SKIP_REASONS`
+      (1 the gradients overflowed, 2 the loss itself was not finite, 3 a
+      loss spike, 4 a gradient-norm spike; [Skipping bad
+      steps][skipping-bad-steps]);
+    - `"skipped_overflow"`, `"skipped_nonfinite_loss"`,
+      `"skipped_loss_spike"`, `"skipped_grad_norm_spike"`: int32, the steps
+      skipped so far for each reason (they add up to `"skipped_steps"`).
 
     The norm of the true gradients is not in the state: compute it from the
     gradients and the state *before* the step, as the norm of
@@ -100,15 +108,20 @@ def step_metrics(x: Any) -> dict[str, jax.Array]:
     >>> tx = ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=1024.0)
     >>> params = {"w": jnp.ones(2)}
     >>> _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, tx.init(params), params)
-    >>> ls.step_metrics(state)
-    {'loss_scale': Array(512., dtype=float32), 'applied': Array(False, dtype=bool), \
-'skipped_steps': Array(1, dtype=int32), 'consecutive_skips': Array(1, dtype=int32)}
+    >>> metrics = ls.step_metrics(state)
+    >>> metrics["loss_scale"], metrics["applied"], metrics["skip_reason"]
+    (Array(512., dtype=float32), Array(False, dtype=bool), Array(1, dtype=int32))
+    >>> ls.SKIP_REASONS[int(metrics["skip_reason"]) - 1], metrics["skipped_overflow"]
+    ('overflow', Array(1, dtype=int32))
   """
   applied = step_applied(x)  # also checks that the wrapper runs every step
   state = find_state(x)
+  i32 = lambda v: jnp.asarray(_unwrap(v), jnp.int32)
+  by_reason = i32(state.skips_by_reason)
   return {
     "loss_scale": get_loss_scale(x),
     "applied": applied,
-    "skipped_steps": jnp.asarray(_unwrap(state.skipped_steps), jnp.int32),
-    "consecutive_skips": jnp.asarray(_unwrap(state.consecutive_skips), jnp.int32),
-  }
+    "skipped_steps": i32(state.skipped_steps),
+    "consecutive_skips": i32(state.consecutive_skips),
+    "skip_reason": i32(state.last_skip_reason),
+  } | {f"skipped_{name}": by_reason[..., i] for i, name in enumerate(SKIP_REASONS)}

@@ -17,7 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from lossscale import _checks
-from lossscale._rule import LossScaleState, is_state
+from lossscale._rule import (
+  SKIP_REASONS,
+  LossScaleState,
+  SkipSpikes,
+  SpikeWindow,
+  is_state,
+)
 from lossscale._scaled_grad import _unwrap, find_state
 
 T = TypeVar("T")
@@ -51,22 +57,34 @@ def _is_pmap_sharding(sharding: Any) -> bool:
   return pmap_sharding is not None and isinstance(sharding, pmap_sharding)
 
 
-def filled_like(leaf: Any, value: float, dtype: Any = None) -> Any:
-  """`value` where `leaf` is: its shape and placement, and its dtype and
-  weak type (`dtype` None) or the strongly typed `dtype`.
+def filled_like(leaf: Any, value: float, dtype: Any = None, more: tuple = ()) -> Any:
+  """`value` where `leaf` is: its shape (and the trailing dimensions `more`)
+  and placement, and its dtype and weak type (`dtype` None) or the strongly
+  typed `dtype`.
 
   A concrete `jax.Array` keeps its sharding: each process builds only its
   own devices' shards, with no communication. A traced leaf (inside
-  `jax.jit`) is filled by `lax.full_like`; a NumPy leaf gives a NumPy array;
-  a Python number a `dtype` array (float32 without one).
+  `jax.jit`) is filled by `lax.full`; a NumPy leaf gives a NumPy array; a
+  Python number a `dtype` array (float32 without one).
   """
   if isinstance(leaf, jax.core.Tracer):
-    return jax.lax.full_like(leaf, value, dtype)
+    if not more:
+      return jax.lax.full_like(leaf, value, dtype)
+    return jax.lax.full((*leaf.shape, *more), value, dtype)
   if not hasattr(leaf, "dtype"):
-    return jnp.full(np.shape(leaf), value, dtype or jnp.float32)
+    return jnp.full((*np.shape(leaf), *more), value, dtype or jnp.float32)
   keep = dtype is None
   dtype = np.dtype(leaf.dtype if keep else dtype)
-  host = np.full(leaf.shape, value, dtype)
+  if more and isinstance(leaf, jax.Array) and _is_pmap_sharding(leaf.sharding):
+    # A pmap sharding is made for one shape: the new leaf is made by pmap.
+    # Its devices in the sharding's order (a set would lose it).
+    sharding: Any = leaf.sharding  # a PmapSharding: `devices` is an array
+    devices = list(sharding.devices.flat)
+    fill = jax.pmap(lambda x: jnp.full(more, value, dtype), devices=devices)
+    return (
+      fill(leaf) if leaf.ndim == 1 else jnp.full((*leaf.shape, *more), value, dtype)
+    )
+  host = np.full((*leaf.shape, *more), value, dtype)
   if host.size and host.flat[0] != value:  # a hand-built state of another dtype
     raise ValueError(
       f"`set_loss_scale(loss_scale=...)`: {value!r} is not exactly"
@@ -80,7 +98,7 @@ def filled_like(leaf: Any, value: float, dtype: Any = None) -> Any:
       lambda old: jax.lax.full_like(old, value), out_shardings=leaf.sharding
     )
     return fill(leaf)
-  return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda i: host[i])
+  return jax.make_array_from_callback(host.shape, leaf.sharding, lambda i: host[i])
 
 
 def set_loss_scale(x: T, loss_scale: float) -> T:
@@ -163,14 +181,17 @@ def set_loss_scale(x: T, loss_scale: float) -> T:
 # The values a field takes in a state saved before it existed: a fresh
 # state's.
 _FRESH = dict(
-  good_steps=(jnp.int32, 0),
-  hysteresis_left=(jnp.int32, 1),
-  skipped_steps=(jnp.int32, 0),
-  consecutive_skips=(jnp.int32, 0),
-  last_finite=(jnp.bool_, True),
-  steps_since_rescale=(jnp.int32, 0),
-  overflows_since_backoff=(jnp.int32, 0),
-  overflows_at_min_scale=(jnp.int32, 0),
+  good_steps=(jnp.int32, 0, ()),
+  hysteresis_left=(jnp.int32, 1, ()),
+  skipped_steps=(jnp.int32, 0, ()),
+  consecutive_skips=(jnp.int32, 0, ()),
+  last_finite=(jnp.bool_, True, ()),
+  last_applied=(jnp.bool_, True, ()),
+  steps_since_rescale=(jnp.int32, 0, ()),
+  overflows_since_backoff=(jnp.int32, 0, ()),
+  overflows_at_min_scale=(jnp.int32, 0, ()),
+  last_skip_reason=(jnp.int32, 0, ()),
+  skips_by_reason=(jnp.int32, 0, (len(SKIP_REASONS),)),
 )
 
 
@@ -186,32 +207,48 @@ def _is_earlier_layout(x: Any) -> bool:
   )
 
 
-def _upgraded(old: Any) -> LossScaleState:
+def _upgraded(old: Any, spikes: SkipSpikes | None) -> Any:
+  if is_state(old) and (spikes is None or isinstance(old.spike_window, SpikeWindow)):
+    return old  # current, and nothing to add
   values = old._asdict()
+  if "last_finite" in values and "last_applied" not in values:
+    # Before `last_applied` existed, `last_finite` said whether the step was
+    # applied (the gradients' finiteness was the only reason to skip).
+    values["last_applied"] = values["last_finite"]
   like = values.get("good_steps", values["loss_scale"])
   fresh = {
-    name: filled_like(like, fill, dtype)
-    for name, (dtype, fill) in _FRESH.items()
+    name: filled_like(like, fill, dtype, more)
+    for name, (dtype, fill, more) in _FRESH.items()
     if name not in values
   }
-  return LossScaleState(**(fresh | values))
+  if spikes is not None and not isinstance(values.get("spike_window"), SpikeWindow):
+    width = spikes.window
+    values["spike_window"] = SpikeWindow(
+      filled_like(like, 0.0, jnp.float32, (2, width)),
+      filled_like(like, 0, jnp.int32, (2,)),
+    )
+  return LossScaleState(**(fresh | dict(spike_window=()) | values))
 
 
-def upgrade_state(tree: Any) -> Any:
+def upgrade_state(tree: Any, *, skip_spikes: SkipSpikes | None = None) -> Any:
   """Converts the loss-scaling states of an earlier layout in `tree`.
 
   [`lossscale.LossScaleState`][] gained fields over time: `last_finite` after
   lossscale 0.1.0, then `steps_since_rescale`, `overflows_since_backoff` and
-  `overflows_at_min_scale`. A checkpoint written before does not restore
-  into the new structure: restore it into a NamedTuple with the fields it
-  was written with (in their order) and pass the result here. Every such
-  NamedTuple in `tree` (nested in a chain or a `TrainState` too) becomes a
-  `LossScaleState` with its values, and with the fields it lacks as a fresh
-  state holds them (`last_finite` True, the new counters 0), placed like its
-  `good_steps`: the same shape (a batched state stays batched) and sharding
-  (a state replicated over a mesh, or over the devices of several
-  processes, stays so, and orbax can save it). A `tree` that already holds
-  current states only is returned as it is.
+  `overflows_at_min_scale`, then `last_applied` (whether the step was
+  applied, which `last_finite` used to say: it is copied from there), then
+  `last_skip_reason`, `skips_by_reason` and `spike_window`. A checkpoint
+  written before does not restore into the new structure: restore it into a
+  NamedTuple with the fields it was written with (in their order) and pass
+  the result here. Every such NamedTuple in `tree` (nested in a chain or a
+  `TrainState` too) becomes a `LossScaleState` with its values, and with
+  the fields it lacks as a fresh state holds them (`last_finite` True, the
+  new counters 0: the skips of an earlier version are counted in
+  `skipped_steps` only), placed like its `good_steps`: the same shape (a
+  batched state stays batched) and sharding (a state replicated over a
+  mesh, or over the devices of several processes, stays so, and orbax can
+  save it). A `tree` that already holds current states only is returned
+  as it is, unless `skip_spikes` is given.
   [Checkpointing][checkpoints-written-by-earlier-versions] has the orbax
   recipe.
 
@@ -219,6 +256,10 @@ def upgrade_state(tree: Any) -> Any:
     tree: a pytree holding states of an earlier layout: NamedTuples whose
       fields are some of `LossScaleState`'s, `loss_scale` and `inner_state`
       among them.
+    skip_spikes: the [`lossscale.SkipSpikes`][] of the wrapper the state is
+      to step with: every state in `tree` without a spike window (an earlier
+      layout, or one from a wrapper without the option) gets an empty one,
+      so the option can be switched on for a restored run.
 
   Returns:
     `tree` with each of those replaced by a `LossScaleState`.
@@ -256,5 +297,10 @@ def upgrade_state(tree: Any) -> Any:
       " checkpoint into a NamedTuple with the fields it was written with,"
       " then pass that here (see the Checkpointing page)."
     )
-  convert = lambda x: _upgraded(x) if _is_earlier_layout(x) else x
-  return jax.tree.map(convert, tree, is_leaf=_is_earlier_layout)
+  if skip_spikes is not None and not isinstance(skip_spikes, SkipSpikes):
+    raise ValueError(
+      "`upgrade_state(skip_spikes=...)` must be a lossscale.SkipSpikes or None,"
+      f" got {skip_spikes!r} instead."
+    )
+  convert = lambda x: _upgraded(x, skip_spikes) if found(x) else x
+  return jax.tree.map(convert, tree, is_leaf=found)

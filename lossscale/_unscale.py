@@ -1,25 +1,88 @@
-"""Unscaling: the gradients times `1 / loss_scale`, in float32 or wider.
+"""The gradients' numerics: unscaling, the finite check, the dtype policy.
 
-`unscale_factors` gives the factors for a scale (two, so that a scale above
-2**126, whose float32 reciprocal is subnormal, still unscales exactly),
-`unscale` applies them, and `check_factor` is what the finite check
-multiplies by. `lossscale.unscale_gradients` and the wrappers share them, so
+`unscale_factors(scale)` and `unscale(grads, factors)` give the gradients
+times `1 / loss_scale` in float32 or wider (two factors above 2**126, whose
+float32 reciprocal is subnormal, so the result is still exact);
+`all_finite(tree, factor)` checks `tree * factor` without writing it; and
+the dtypes a step computes and stores in: `widen` (float32 or wider),
+`cast_like` (back to the dtypes `inner.init(params)` gave the state), and
+`widen_float16` (float16 parameters get float32 state: float16 moments
+underflow). `lossscale.unscale_gradients` and the wrappers share these, so
 what a user logs is bit for bit what the inner optimizer is fed.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from lossscale import _compat
-from lossscale._dtypes import compute_dtype, is_inexact
+from lossscale import _jax_internals
 
 # The largest scale whose float32 reciprocal is normal (2**-126).
 _LARGEST_NORMAL_RECIPROCAL = 2.0**126
+
+
+def is_array(x: Any) -> bool:
+  """True for JAX arrays (tracers included) and NumPy arrays and scalars."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def is_inexact(x: Any) -> bool:
+  """True for floating and complex array leaves (those a finite check reads)."""
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def numbers_as_arrays(tree: Any) -> Any:
+  """`tree` with Python float and complex leaves as arrays, as `jax.jit`
+  would pass them, so that they are unscaled and checked like arrays."""
+  return jax.tree.map(
+    lambda x: jnp.asarray(x) if isinstance(x, (float, complex)) else x, tree
+  )
+
+
+def compute_dtype(dtype: Any) -> Any:
+  """The wider of float32 and `dtype` (by hand: strict promotion forbids
+  `promote_types(float32, float16)`); complex dtypes are wide enough."""
+  return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
+
+
+def is_half(x: Any) -> bool:
+  return is_inexact(x) and compute_dtype(x.dtype) != x.dtype
+
+
+def widen(tree: Any) -> Any:
+  """Casts the inexact leaves of `tree` to the wider of float32 and their dtype."""
+  return jax.tree.map(
+    lambda x: x.astype(compute_dtype(x.dtype)) if is_inexact(x) else x, tree
+  )
+
+
+def widen_float16(tree: Any) -> Any:
+  """`tree` with its float16 leaves in float32 (bfloat16 and others kept)."""
+  return jax.tree.map(
+    lambda x: x.astype(jnp.float32) if is_inexact(x) and x.dtype == jnp.float16 else x,
+    tree,
+  )
+
+
+def cast_like(new: Any, old: Any) -> Any:
+  """Casts the inexact leaves of `new` to the dtypes of `old`'s leaves
+  (bfloat16 moments stay bfloat16); `new` as it is where the trees differ."""
+  # `Any`: jaxlib 0.10 ships no stubs for PyTreeDef, which mypy cannot compare.
+  new_def: Any = jax.tree.structure(new)
+  if new_def != jax.tree.structure(old):
+    return new
+  return jax.tree.map(
+    lambda n, o: (
+      n.astype(o.dtype) if is_inexact(n) and is_inexact(o) and n.dtype != o.dtype else n
+    ),
+    new,
+    old,
+  )
 
 
 def unscale_factors(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -36,76 +99,86 @@ def unscale_factors(loss_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
   pre = jnp.where(big, f32(2.0**-64), f32(1.0))
   inv = jnp.where(big, f32(2.0**64), f32(1.0)) / loss_scale
   # A constant scale (state closed over by `jit`) must not let XLA merge the
-  # two factors back into a subnormal one. Computed where the scale is:
-  # from a constant scale, factors computed inside a call of their own were
-  # merged on XLA:CPU, which drops the barrier before fusion.
-  return _compat.hide_from_constant_folding((pre, inv))
+  # two factors back into one subnormal that the CPU flushes to zero: an
+  # optimization barrier keeps them apart, where JAX can batch one (not
+  # jax 0.4.35, where `lax.cond` under `vmap` batches every operand).
+  # Computed where the scale is: from a constant scale, factors computed
+  # inside a call of their own were merged on XLA:CPU, which drops the
+  # barrier before fusion.
+  if _jax_internals.BARRIER_BATCHES:
+    return jax.lax.optimization_barrier((pre, inv))
+  return pre, inv
 
 
 def unscale(
   grads: Any,
-  factors: tuple[jax.Array, jax.Array],
+  factors: tuple[jax.Array, ...],
   *,
   keep_dtype: bool = False,
   zero_unless: jax.Array | None = None,
 ) -> Any:
   """`grads * (1 / loss_scale)` in the wider of float32 and each leaf's dtype,
-  `factors` being `unscale_factors(loss_scale)`.
+  `factors` being `unscale_factors(loss_scale)`; other leaves pass through.
 
-  With `keep_dtype` each leaf is cast back to its own dtype: with a scale of
-  1 that is every leaf bit for bit. With `zero_unless`, a flag, every leaf
-  is zeros where the flag is false.
+  With `keep_dtype` each leaf is cast back to its own dtype (with a scale of
+  1, every leaf bit for bit). With `zero_unless`, a flag, every leaf is
+  zeros where the flag is false (a select: an inf or NaN never gets through).
   """
-  pre, inv = factors
-  if zero_unless is not None:
-    return jax.tree.map(
-      lambda g: _unscale_leaf_or_zero(g, pre, inv, zero_unless) if is_inexact(g) else g,
-      grads,
-    )
-  unscaled = _scale_leaves(grads, pre, inv)
-  if not keep_dtype:
-    return unscaled
+  zero = lambda u: (
+    u if zero_unless is None else jnp.where(zero_unless, u, jnp.zeros_like(u))
+  )
+  cast = lambda u, g: u.astype(g.dtype) if keep_dtype else u
   return jax.tree.map(
-    lambda u, g: u.astype(g.dtype) if is_inexact(g) else u, unscaled, grads
+    lambda g: cast(zero(scale_leaf(g, *factors)), g) if is_inexact(g) else g, grads
   )
 
 
-def check_factor(loss_scale: jax.Array) -> jax.Array:
-  """The factor the finite check multiplies the gradients by: what
-  `unscale` gives, as far as finiteness goes, in one multiply.
-
-  Above 2**126 dividing by the scale cannot overflow, so the gradients are
-  finite exactly when they are: they are checked as they are. One multiply
-  per element keeps the check's fusion as lean as the bare finite check.
-  """
-  f32 = jnp.float32
-  big = loss_scale > f32(_LARGEST_NORMAL_RECIPROCAL)
-  return jnp.where(big, f32(1.0), f32(1.0) / loss_scale)
-
-
-def _scale_leaves(grads: Any, *factors: jax.Array) -> Any:
-  """Multiplies each inexact leaf by `factors` in turn, in the wider of
-  float32 and its dtype; other leaves pass through."""
-  return jax.tree.map(lambda g: scale_leaf(g, *factors) if is_inexact(g) else g, grads)
-
-
-@functools.partial(jax.jit, inline=True)
-def _unscale_leaf_or_zero(
-  g: jax.Array, pre: jax.Array, inv: jax.Array, finite: jax.Array
-) -> jax.Array:
-  u = scale_leaf(g, pre, inv)
-  return jnp.where(finite, u, jnp.zeros_like(u))
-
-
-@functools.partial(jax.jit, inline=True)
 def scale_leaf(x: jax.Array, *factors: jax.Array) -> jax.Array:
-  """`x` times `factors` in turn, in the wider of float32 and its dtype.
-
-  Jitted: traced once per leaf shape and dtype, however many leaves, and
-  one call per leaf in the step's jaxpr (inlined).
-  """
-  dtype = compute_dtype(x.dtype)
+  """`x` times `factors` in turn, in the wider of float32 and its dtype."""
+  dtype = jnp.float32 if jnp.finfo(x.dtype).bits < 32 else x.dtype
   x = x.astype(dtype)
   for factor in factors:
     x = x * factor.astype(dtype)
   return x
+
+
+def squares(x: jax.Array) -> jax.Array:
+  """`|x|**2` elementwise, in the wider of float32 and `x`'s dtype."""
+  x = x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
+  return jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x
+
+
+def sum_of_squares(tree: Any) -> jax.Array:
+  """The sum of `|x|**2` over the inexact leaves of `tree`, float32: one
+  reduction per leaf (the speed layer's `finite` groups small leaves)."""
+  sums = [jnp.sum(squares(x)).astype(jnp.float32) for x in inexact_leaves(tree)]
+  return sum(sums, jnp.zeros([], jnp.float32))
+
+
+def global_norm(grads: Any, factors: tuple[jax.Array, ...]) -> jax.Array:
+  """The global norm of `unscale(grads, factors)` in float32, the unscaled
+  gradients never written."""
+  sums = [
+    jnp.sum(squares(scale_leaf(x, *factors))).astype(jnp.float32)
+    for x in inexact_leaves(grads)
+  ]
+  return jnp.sqrt(sum(sums, jnp.zeros([], jnp.float32)))
+
+
+def inexact_leaves(tree: Any) -> list[jax.Array]:
+  """The floating and complex leaves of `tree`, Python numbers as arrays."""
+  return [x for x in jax.tree.leaves(numbers_as_arrays(tree)) if is_inexact(x)]
+
+
+def all_finite(tree: Any, factor: jax.Array | None = None) -> jax.Array:
+  """Whether every element of `tree` (times `factor`, each leaf multiplied
+  in the wider of float32 and its dtype, never written) is finite: one
+  reduction per leaf (`lossscale.all_finite` is this, or the speed layer's
+  grouped check, which gives the same flag)."""
+  number = lambda x: jnp.asarray(x) if isinstance(x, (float, complex)) else x
+  leaves = [number(x) for x in jax.tree.leaves(tree)]
+  leaves = [x for x in leaves if is_inexact(x)]
+  if not leaves:
+    return jnp.array(True)
+  times = (lambda x: x) if factor is None else (lambda x: scale_leaf(x, factor))
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(times(x))) for x in leaves]))

@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import _speed_blocker  # noqa: F401 (before lossscale: LOSSSCALE_BLOCK_SPEED)
 import jax
 import pytest
 
@@ -34,10 +35,10 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(items):
   """Docstring examples that show `jax.shard_map` skip on a JAX without it;
   tests of the speed layer's formulations skip under `LOSSSCALE_PLAIN=1`."""
-  from lossscale import _speed
+  from lossscale import _wrapper
 
-  if _speed.off():
-    plain = pytest.mark.skip(reason="a speed-layer formulation: LOSSSCALE_PLAIN=1")
+  if {"split", "finite", "order"} != _wrapper.TRICKS:
+    plain = pytest.mark.skip(reason="a speed-layer formulation: LOSSSCALE_PLAIN")
     for item in items:
       if item.get_closest_marker("speed_layer"):
         item.add_marker(plain)

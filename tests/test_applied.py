@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.training import train_state as train_state_lib
 
 import lossscale as ls
 from _helpers import assert_trees_equal, stack, standard_promotion
@@ -198,7 +199,14 @@ def test_every_entry_point_refuses_a_wrapper_not_run_every_step_alike(name):
   bad = {"w": jnp.array([jnp.inf, 1.0]), "b": jnp.array(0.0)}
   with standard_promotion():  # MultiSteps divides by an int32 count
     opt_state = tx.init(PARAMS)
-    train_state = ls.flax.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+    create = lambda: ls.flax.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
+    if name == "MultiSteps":  # refused as soon as the TrainState is made
+      refused = _message(create)
+      train_state = train_state_lib.TrainState.create(
+        apply_fn=None, params=PARAMS, tx=tx
+      )
+    else:
+      train_state = create()
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   loss = lambda m, x: jnp.mean(m(x) ** 2)
@@ -208,7 +216,7 @@ def test_every_entry_point_refuses_a_wrapper_not_run_every_step_alike(name):
     "apply_gradients_jit": lambda: jax.jit(functools.partial(ls.apply_gradients, tx))(
       bad, opt_state, PARAMS
     ),
-    "TrainState": lambda: train_state.apply_gradients(grads=bad),
+    "TrainState": lambda: ls.flax.TrainState.apply_gradients(train_state, grads=bad),
     "nnx_step": lambda: ls.flax.nnx_step(loss)(optimizer, model, x),
     "nnx_step_jit": lambda: nnx.jit(ls.flax.nnx_step(loss))(optimizer, model, x),
     "step_applied": lambda: ls.step_applied(opt_state),
@@ -221,6 +229,7 @@ def test_every_entry_point_refuses_a_wrapper_not_run_every_step_alike(name):
   if name == "MultiSteps":  # refused everywhere: training would stop
     assert "inside optax.MultiSteps" in first and "inf * 0 = NaN" in first
     assert "tx.update" not in first  # no second way out
+    assert refused == first
   else:
     assert f"inside optax's {type(opt_state).__name__[:-5]}" in first
     assert "not consulted on every step" in first

@@ -38,7 +38,7 @@ def test_the_suite_ends_a_hung_test_with_its_stack(tmp_path):
   import os
   import shutil
 
-  for name in ("conftest.py", "_backstop.py"):
+  for name in ("conftest.py", "_backstop.py", "_speed_blocker.py"):
     shutil.copy(HERE / name, tmp_path / name)
   (tmp_path / "test_hang.py").write_text(
     "import time\n\ndef test_hangs_forever():\n  time.sleep(120)\n"

@@ -408,7 +408,8 @@ def test_float8_state_is_overwritten_as_flax_does_and_refused_by_a_bare_wrapper(
     assert int(kept.step) == 1 and int(kept.skipped_steps) == 1
     # The plain optax setup a user would write is refused.
     overwrite = optax.GradientTransformation(
-      lambda p: optax.EmptyState(), lambda g, s, p: (jax.tree.map(jnp.subtract, g, p), s)
+      lambda p: optax.EmptyState(),
+      lambda g, s, p: (jax.tree.map(jnp.subtract, g, p), s),
     )
     labels = {k: k for k in variables}
     bare = ls.dynamic_loss_scale(
@@ -418,5 +419,5 @@ def test_float8_state_is_overwritten_as_flax_does_and_refused_by_a_bare_wrapper(
     for update in (bare.update, jax.jit(bare.update)):
       with pytest.raises(ValueError, match=r"float8 state at \['_overwrite_with_grad"):
         update(grads, opt_state, variables)
-    with pytest.raises(ValueError, match="lossscale.flax.TrainState"):
+    with pytest.raises(ValueError, match=r"lossscale\.flax\.TrainState"):
       ls.apply_gradients(bare, grads, opt_state, variables)

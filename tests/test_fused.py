@@ -27,7 +27,7 @@ from _helpers import (
   recording_wrapper,
   standard_promotion,
 )
-from lossscale._jax_internals import eqns_within, hands_out
+from lossscale._jax_internals import inspect
 
 INF, NAN = float("inf"), float("nan")
 
@@ -271,12 +271,23 @@ def test_vmap_members_decide_independently():
     )
 
 
+def _eqns(jaxpr):
+  """Every equation of `jaxpr`, in nested calls and branches too."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _eqns(sub)
+
+
 def _array_selects(jaxpr) -> int:
   """How many `select_n` equations, in nested calls and branches too, choose
   between arrays (not scalars)."""
   return sum(
     eqn.primitive.name == "select_n" and bool(eqn.outvars[0].aval.shape)
-    for eqn in eqns_within(jaxpr)
+    for eqn in _eqns(jaxpr)
   )
 
 
@@ -414,14 +425,14 @@ def test_calls_out_are_found_in_every_nesting():
   }
   x = jnp.ones(3)
   for name, f in nested.items():
-    assert hands_out(jax.make_jaxpr(f)(x)), name
-  assert not hands_out(
+    assert inspect(jax.make_jaxpr(f)(x))[1], name
+  assert not inspect(
     jax.make_jaxpr(
       lambda y: jax.lax.custom_root(
         lambda v: v - 1.0, y, lambda g, x0: x0 - g(x0), lambda g, z: z
       )
     )(x)
-  )
+  )[1]
 
 
 def test_inner_optimizer_sees_zeros_for_a_bad_member_only_where_both_branches_run():
@@ -586,7 +597,7 @@ def test_a_fresh_process_traces_its_first_step_once():
 def test_inner_optimizer_traced_once_per_step():
   # The decision pass needs the inner optimizer's output shapes, the finite
   # branch runs it, and inside shard_map the branches' varying axes are
-  # matched first: every one of them reuses one trace (lossscale/_speed/once.py).
+  # matched first: every one of them evaluates the one trace of the step.
   traces = []
 
   def counting(inner):

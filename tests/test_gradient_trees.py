@@ -333,7 +333,7 @@ def test_scales_above_2_126_unscale_exactly(scale):
     np.testing.assert_array_equal(updates["w"], -true)
   # A scale known at compile time (the state made inside `jit`): XLA must not
   # fold the two factors of the unscale back into one subnormal.
-  if not ls._compat._barrier_batches():
+  if not ls._jax_internals._barrier_batches():
     pytest.skip("jax 0.4.35 cannot batch the optimization barrier this needs")
   state = tx.init(params)
   for step in (
@@ -400,7 +400,7 @@ def test_an_integer_parameter_beside_a_none_parameter(jit):
       {"c": jnp.full(3, 2.0), "n": None, "z": None}, inner.init(params), params
     )
     updates, _ = update(grads, state, params)
-    new_params, new_state = fused(tx, grads, state, params)
+    new_params, _ = fused(tx, grads, state, params)
   assert updates["n"] is None and updates["z"] is None
   # Adam jitted and eager round its last bit differently.
   np.testing.assert_allclose(updates["c"], want["c"], rtol=1e-6)

@@ -18,7 +18,6 @@ import pytest
 import lossscale as ls
 from _helpers import assert_trees_equal, bytes_accessed, standard_promotion
 from lossscale import _jax_internals
-from lossscale._speed import ordering as _ordering
 
 SCALE = 2.0**10  # a power of two: scaling and unscaling are exact
 
@@ -408,6 +407,8 @@ def test_half_precision_steps_move_and_hold_little_more_than_the_bare_step(dtype
   # copies the moments of the bare step too, and the same for ours), only
   # the unscale factor broadcast to each leaf shape, in float32, by the
   # check's branch that multiplies it in.
+  from lossscale._speed import ordering as _ordering
+
   if _ordering.ORDER_FUSED_WRITES:
     assert fused_temp <= p_bytes / 4 + 4096
   else:
@@ -417,7 +418,10 @@ def test_half_precision_steps_move_and_hold_little_more_than_the_bare_step(dtype
   assert composed_temp < p_bytes + p_bytes / 8
 
 
+@pytest.mark.speed_layer
 def test_read_after_keeps_every_value_bit_for_bit():
+  from lossscale._speed import ordering as _ordering
+
   bad = jnp.array([-0.0, 0.0, jnp.inf, -jnp.inf, jnp.nan, 1e-40, 3e38, -1.5])
   state = (
     {"a": bad.astype(jnp.bfloat16), "b": bad},  # params-shaped: mu, say

@@ -12,7 +12,16 @@ from lossscale import _jax_internals as internals
 
 
 def _primitives(jaxpr):
-  return [e.primitive.name for e in internals.eqns_within(jaxpr)]
+  """The primitives of `jaxpr`'s equations, nested ones included."""
+  names = []
+  for eqn in jaxpr.eqns:
+    names.append(eqn.primitive.name)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          names += _primitives(sub)
+  return names
 
 
 def test_staging_tells_a_trace_from_an_eager_call():
@@ -42,13 +51,16 @@ def test_batched_tells_a_vmapped_value():
   assert seen == [True, False, False]
 
 
-def test_effects_and_values_handed_out():
+def test_inspect_finds_values_handed_out():
   def printing(x):
     jax.debug.print("{}", x)
     return x
 
   def calling_out(x):
     return jax.pure_callback(np.sin, jax.ShapeDtypeStruct((), jnp.float32), x)
+
+  def calling_out_in_a_branch(x):
+    return jax.lax.cond(x > 0, lambda: calling_out(x), lambda: x)
 
   def vmap_collective(x):
     return jax.vmap(lambda y: jax.lax.psum(y, "i"), axis_name="i")(x)
@@ -57,48 +69,33 @@ def test_effects_and_values_handed_out():
   closed = {
     "print": jax.make_jaxpr(printing)(x),
     "pure_callback": jax.make_jaxpr(calling_out)(x),
+    "in a branch": jax.make_jaxpr(calling_out_in_a_branch)(x),
     "vmap collective": jax.make_jaxpr(vmap_collective)(xs),
     "plain": jax.make_jaxpr(jnp.sin)(x),
   }
-  effects = {k: internals.has_effects(c) for k, c in closed.items()}
-  assert effects == {
-    "print": True,
-    "pure_callback": False,
-    "vmap collective": False,
-    "plain": False,
-  }
-  handed_out = {k: internals.hands_out(c) for k, c in closed.items()}
+  handed_out = {k: internals.inspect(c)[1] for k, c in closed.items()}
   assert handed_out == {
     "print": True,
     "pure_callback": True,
+    "in a branch": True,
     "vmap collective": False,
     "plain": False,
   }
 
 
-def test_eqns_within_reaches_calls_and_branches():
+def test_inspect_finds_the_named_axes_of_live_collectives():
   def f(x):
-    inner = jax.jit(lambda y: jnp.sin(y))
-    return jax.lax.cond(x > 0, lambda: inner(x), lambda: jnp.cos(x))
+    dead = jax.lax.psum(x, "dead")  # noqa: F841 - kept by make_jaxpr, not used
+    inner = jax.jit(lambda y: jax.lax.pmean(y, ("b", "a")))
+    x = jax.lax.cond(x.sum() > 0, lambda: inner(x), lambda: x)
+    x = x + jax.lax.axis_index("c").astype(x.dtype)  # names an axis only
+    return jax.lax.psum(x, "a"), jnp.sum(x, axis=0)  # positional: no name
 
-  jaxpr = internals.open_jaxpr(jax.make_jaxpr(f)(1.0))
-  names = _primitives(jaxpr)
-  assert {"cond", "sin", "cos", "gt"} <= set(names)
-  (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
-  nested = {e.primitive.name for e in internals.eqns_nested_in(cond)}
-  assert {"sin", "cos"} <= nested and "cond" not in nested
-
-
-def test_live_eqns_drop_dead_code_and_literals():
-  def f(x):
-    dead = jnp.cos(x)  # noqa: F841 - kept by make_jaxpr, not used
-    return jnp.sin(x), 2.0
-
-  jaxpr = internals.open_jaxpr(jax.make_jaxpr(f)(1.0))
-  assert "cos" in [e.primitive.name for e in jaxpr.eqns]
-  assert [e.primitive.name for e in internals.live_eqns(jaxpr)] == ["sin"]
-  assert internals.is_literal(jaxpr.outvars[1])
-  assert not internals.is_literal(jaxpr.outvars[0])
+  # Traced under bound names, as inside `pmap` or `shard_map`.
+  inner = jax.make_jaxpr(f, axis_env=[("a", 1), ("b", 1), ("c", 1), ("dead", 1)])(
+    jnp.ones(3)
+  )
+  assert internals.inspect(inner) == (("b", "a"), False)
 
 
 def test_a_jaxpr_runs_as_a_function():

@@ -3,8 +3,10 @@ things are").
 
 Every function fits one reading (80 lines of code, docstrings, comments and
 blank lines aside), every module opens with what it is for, JAX's private
-surface is reached from `lossscale/_jax_internals.py` only, and the speed
-layer's switch (`LOSSSCALE_PLAIN`) is read in `lossscale/_speed/__init__.py`
+surface is reached from `lossscale/_jax_internals.py` only, the speed layer
+(`lossscale/_speed/`) is imported by one core module, `_wrapper.py` (and
+the core runs without it: tests/test_plain.py, and `make test-plain`), and
+its switch (`LOSSSCALE_PLAIN`) is read in `lossscale/_speed/__init__.py`
 only.
 """
 
@@ -103,3 +105,26 @@ def test_the_switch_is_read_in_the_speed_layer_only():
     if "os.environ" in path.read_text() or "getenv" in path.read_text()
   }
   assert readers == {"_speed/__init__.py"}
+
+
+def _imported(path):
+  """The modules `path` imports, as dotted names (`from lossscale import
+  _speed` is `lossscale._speed`)."""
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names.add(node.module)
+      names.update(f"{node.module}.{alias.name}" for alias in node.names)
+  return names
+
+
+def test_one_core_module_reaches_the_speed_layer():
+  core = [p for p in MODULES if "_speed" not in p.relative_to(PACKAGE).parts]
+  importers = {
+    str(path.relative_to(PACKAGE))
+    for path in core
+    if any(n.startswith("lossscale._speed") for n in _imported(path))
+  }
+  assert importers == {"_wrapper.py"}

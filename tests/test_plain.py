@@ -1,12 +1,19 @@
 """`LOSSSCALE_PLAIN=1`: the plain core, with the speed layer off.
 
-The switch is read when a step is traced. With it, a wrapper's step and
-`apply_gradients` are each one `lax.cond`; without it the speed layer
-splits them. Both give the same bits. `make test` also runs the contract
-test files with the switch on (`make test-plain`).
+The switch is read once, when lossscale is imported; `lossscale._wrapper`,
+the one module that reaches the speed layer, holds the tricks that are on
+(`TRICKS`), which these tests set directly to compare both in one process.
+With every trick off, a wrapper's step and `apply_gradients` are each one
+`lax.cond`; with them on the speed layer splits them. Both give the same
+bits. `make test` also runs the whole suite with the switch on and the
+speed layer unimportable (`make test-plain`).
 """
 
 import collections
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,51 +23,117 @@ import pytest
 
 import lossscale as ls
 from _helpers import standard_promotion
-from lossscale import _jax_internals, _speed
+from lossscale import _jax_internals, _wrapper
+
+TESTS = pathlib.Path(__file__).resolve().parent
+ALL_TRICKS = ("split", "finite", "order")
+
+
+def _off(value):
+  from lossscale import _speed
+
+  return _speed.off(value)
+
+
+def _names(jaxpr):
+  """The primitives of `jaxpr`'s equations, nested ones included."""
+  for eqn in jaxpr.eqns:
+    yield eqn.primitive.name
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _names(sub)
 
 
 def _conds(fn, *args):
   closed = jax.make_jaxpr(fn)(*args)
-  names = (
-    e.primitive.name
-    for e in _jax_internals.eqns_within(_jax_internals.open_jaxpr(closed))
-  )
-  return collections.Counter(names)["cond"]
+  return collections.Counter(_names(_jax_internals.open_jaxpr(closed)))["cond"]
+
+
+def _switch(monkeypatch, on):
+  """Sets the tricks the wrapper uses (`on`: all, or none)."""
+  monkeypatch.setattr(_wrapper, "TRICKS", frozenset(ALL_TRICKS if on else ()))
 
 
 @pytest.fixture(params=["fast", "plain"])
 def mode(request, monkeypatch):
-  if request.param == "plain":
-    monkeypatch.setenv("LOSSSCALE_PLAIN", "1")
+  if request.param == "fast":
+    if not _wrapper.TRICKS:
+      pytest.skip("the speed layer is off in this process (LOSSSCALE_PLAIN)")
+    _switch(monkeypatch, True)
   else:
-    monkeypatch.delenv("LOSSSCALE_PLAIN", raising=False)
+    _switch(monkeypatch, False)
   return request.param
 
 
+@pytest.mark.speed_layer
 @pytest.mark.parametrize("value", ["1", "true", "ON", " yes "])
-def test_switch_spellings(value, monkeypatch):
-  monkeypatch.setenv("LOSSSCALE_PLAIN", value)
-  assert _speed.plain()
-  assert not any(_speed.on(t) for t in _speed.TRICKS)
+def test_switch_spellings(value):
+  assert _off(value) == frozenset(ALL_TRICKS)
   for value in ("0", "off", ""):
-    monkeypatch.setenv("LOSSSCALE_PLAIN", value)
-    assert not _speed.plain() and all(_speed.on(t) for t in _speed.TRICKS)
-  monkeypatch.delenv("LOSSSCALE_PLAIN")
-  assert not _speed.off()
+    assert _off(value) == frozenset()
 
 
-def test_the_switch_turns_off_the_tricks_it_names(monkeypatch):
-  monkeypatch.setenv("LOSSSCALE_PLAIN", "split, Once")
-  assert [_speed.on(t) for t in _speed.TRICKS] == [False, False, True, True]
-  assert not _speed.plain()
-  monkeypatch.setenv("LOSSSCALE_PLAIN", ",".join(_speed.TRICKS))
-  assert _speed.plain()
+@pytest.mark.speed_layer
+def test_the_switch_turns_off_the_tricks_it_names():
+  assert _off("split, Finite") == {"split", "finite"}
+  assert _off(",".join(ALL_TRICKS)) == frozenset(ALL_TRICKS)
 
 
-def test_an_unknown_trick_is_refused_by_name(monkeypatch):
-  monkeypatch.setenv("LOSSSCALE_PLAIN", "split,fast")
+@pytest.mark.speed_layer
+def test_an_unknown_trick_is_refused_by_name():
   with pytest.raises(ValueError, match=r"LOSSSCALE_PLAIN.*'split,fast'.*unknown: fast"):
-    _speed.on("split")
+    _off("split,fast")
+
+
+def _python(code, **env):
+  """Runs `code` in a fresh Python with `env` added; returns its stdout."""
+  environ = dict(os.environ, JAX_PLATFORMS="cpu", **env)
+  environ.pop("XLA_FLAGS", None)
+  environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(TESTS), str(TESTS.parent), environ.get("PYTHONPATH")])
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code],
+    env=environ,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
+def test_the_switch_is_read_once_at_import():
+  code = "from lossscale import _wrapper; print(sorted(_wrapper.TRICKS))"
+  assert _python(code, LOSSSCALE_PLAIN="split").strip() == "['finite', 'order']"
+  assert _python(code, LOSSSCALE_PLAIN="1").strip() == "[]"
+
+
+_WITHOUT_SPEED = """
+import sys
+import _speed_blocker  # noqa: F401 (before lossscale)
+import jax, jax.numpy as jnp, optax
+import lossscale as ls
+from lossscale import _wrapper
+assert _wrapper.TRICKS == frozenset() and "lossscale._speed" not in sys.modules
+tx = ls.dynamic_loss_scale(optax.sgd(0.5), initial_scale=4.0)
+params = {"w": jnp.ones(2)}
+state = tx.init(params)
+step = jax.jit(lambda g, s, p: ls.apply_gradients(tx, g, s, p))
+p, s = step({"w": jnp.array([4.0, 8.0])}, state, params)
+q, s = step({"w": jnp.array([jnp.inf, 8.0])}, s, p)
+print(p["w"].tolist(), q["w"].tolist(), int(s.skipped_steps), float(s.loss_scale))
+"""
+
+
+@pytest.mark.parametrize("plain", ["1", ""])
+def test_the_core_runs_where_the_speed_layer_cannot_be_imported(plain):
+  # `make test-plain` runs the whole suite so; this is the quick check that
+  # a missing `lossscale/_speed/` is the plain core, switch or no switch.
+  out = _python(_WITHOUT_SPEED, LOSSSCALE_PLAIN=plain, LOSSSCALE_BLOCK_SPEED="1")
+  assert out.split() == ["[0.5,", "0.0]", "[0.5,", "0.0]", "1", "2.0"]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -111,11 +184,12 @@ def _run(fused, dtype, steps):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["tx.update", "apply_gradients"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.speed_layer
 def test_plain_and_fast_give_the_same_bits(fused, dtype, monkeypatch):
   steps = [False, True, False, True, True]
-  monkeypatch.delenv("LOSSSCALE_PLAIN", raising=False)
+  _switch(monkeypatch, True)
   fast = _run(fused, dtype, steps)
-  monkeypatch.setenv("LOSSSCALE_PLAIN", "1")
+  _switch(monkeypatch, False)
   plain = _run(fused, dtype, steps)
   for a, b in zip(fast, plain, strict=True):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -145,6 +219,7 @@ def test_a_new_jit_of_the_same_tx_reads_a_changed_learning_rate(mode):
       np.testing.assert_allclose(new["w"], 1.0 - want, rtol=1e-6)
 
 
+@pytest.mark.speed_layer
 @pytest.mark.parametrize("fused", [False, True], ids=["tx.update", "apply_gradients"])
 def test_plain_and_fast_round_a_large_step_alike(fused, monkeypatch):
   """A step split into several conditionals, with a leaf large enough to be
@@ -166,20 +241,17 @@ def test_plain_and_fast_round_a_large_step_alike(fused, monkeypatch):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  compiled = {}
-  for value in ("0", "1"):
-    monkeypatch.setenv("LOSSSCALE_PLAIN", value)
-    compiled[value] = jax.jit(lambda g, s, p: step(g, s, p))
+  compiled = {on: jax.jit(lambda g, s, p: step(g, s, p)) for on in (True, False)}
   state = tx.init(params)
   for t in range(4):
     grads = jax.tree.map(
       lambda p, t=t: jnp.asarray(rng.standard_normal(p.shape) * 2.0**4, p.dtype), params
     )
     with standard_promotion():
-      monkeypatch.setenv("LOSSSCALE_PLAIN", "0")
-      fast = compiled["0"](grads, state, params)
-      monkeypatch.setenv("LOSSSCALE_PLAIN", "1")
-      plain = compiled["1"](grads, state, params)
+      _switch(monkeypatch, True)
+      fast = compiled[True](grads, state, params)
+      _switch(monkeypatch, False)
+      plain = compiled[False](grads, state, params)
     for x, y in zip(jax.tree.leaves(fast), jax.tree.leaves(plain), strict=True):
       x, y = np.asarray(x), np.asarray(y)
       if np.issubdtype(x.dtype, np.floating):

@@ -13,9 +13,10 @@ from _helpers import (
   primitive_count,
   standard_promotion,
 )
-from lossscale._speed import split as _split
 
-# The split conditionals are the speed layer's: LOSSSCALE_PLAIN=1 skips them.
+# The split conditionals are the speed layer's: skipped where it is off, or
+# cannot be imported (`make test-plain`).
+_split = pytest.importorskip("lossscale._speed.split")
 pytestmark = pytest.mark.speed_layer
 
 INF = float("inf")
@@ -39,11 +40,21 @@ def _grads(params, step, scale=1.0):
 
 def _conds(closed_jaxpr):
   """Every `cond` of the step in a jaxpr, in calls too, as (outputs,
-  reduce_sums inside); the finite check's own (one bool out) is left out."""
+  reduce_sums inside); the finite check's own (one bool out) is left out,
+  and the choice of platform (`lax.platform_dependent`, the speed layer's
+  `order`) is looked into: its CPU branch, the first."""
   found = []
+  platform = set()  # the platform's index (jax 0.4.35 clamps it first)
+  for e in closed_jaxpr.eqns:
+    if e.primitive.name == "platform_index" or (
+      e.primitive.name == "clamp" and any(id(v) in platform for v in e.invars)
+    ):
+      platform.update(id(v) for v in e.outvars)
   for eqn in closed_jaxpr.eqns:
     check = len(eqn.outvars) == 1 and eqn.outvars[0].aval.dtype == jnp.bool_
-    if eqn.primitive.name == "cond" and not check:
+    if eqn.primitive.name == "cond" and id(eqn.invars[0]) in platform:
+      found += _conds(eqn.params["branches"][0])
+    elif eqn.primitive.name == "cond" and not check:
       reductions = sum(
         sum(e.primitive.name == "reduce_sum" for e in b.eqns)
         for b in eqn.params["branches"]

@@ -99,7 +99,7 @@ def test_static_scale_and_nested_states():
     ls.unscale_gradients(grads, tx.init(grads))["w"], [1.0, -2.0]
   )
   multi = optax.MultiSteps(ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0), 2)
-  with pytest.raises(ValueError, match="inside optax.MultiSteps"):
+  with pytest.raises(ValueError, match=r"inside optax\.MultiSteps"):
     ls.unscale_gradients(grads, multi.init(grads))
 
 

@@ -1,11 +1,14 @@
 """Speed layer: bfloat16 optimizer state written after the updates, in place.
 
 The inner optimizer computes in float32 and stores its bfloat16 state
-rounded; XLA copies that state before the step unless the writes are
+rounded; XLA copies that state before the step unless its writes are
 ordered after the new updates (`read_after`), which the wrapper does in a
-second conditional (`staged_in_order`) and `apply_gradients` in its one.
-On XLA:CPU only, where it is faster in wall time; evidence beside each.
-Off with `LOSSSCALE_PLAIN=1` (or `LOSSSCALE_PLAIN=order`).
+second conditional (`staged`) and `apply_gradients` in a second call of the
+chain inside its one (`fused_state`). On XLA:CPU only, where it is faster in
+wall time (docs/performance.md, the speed-layer table, rows `order`): the
+choice is `jax.lax.platform_dependent`, made when the step is lowered for
+the device it runs on, not when it is traced. Off with `LOSSSCALE_PLAIN=1`
+(or `LOSSSCALE_PLAIN=order`).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lossscale import _axes, _speed
-from lossscale._dtypes import is_half, is_inexact
+from lossscale import _jax_internals
+from lossscale._unscale import is_half, is_inexact
 
 
 def _jaxlib_version() -> tuple[int, ...]:
@@ -32,51 +35,65 @@ def _jaxlib_version() -> tuple[int, ...]:
 
 # XLA before jaxlib 0.9.1 copies the bfloat16 moments of a fused step
 # whether or not their writes are ordered after the parameters'; ordering
-# them (`read_after`) only added work there: 1.60x the bare
-# step's bytes against 1.07x unordered, at every jaxlib from 0.4.35 to
-# 0.9.0.1. From 0.9.1 on, XLA writes them in place once ordered: 1.30x
-# against 1.60x (1M bfloat16 parameters, benchmarks/half_precision.py).
+# them only adds work there (docs/performance.md, the speed-layer table).
 ORDER_FUSED_WRITES = _jaxlib_version() >= (0, 9, 1)
 
 
-def order_narrow_writes() -> bool:
-  """Whether a step writes bfloat16 optimizer state after the new parameters
-  (`read_after`), in place: on XLA:CPU, where it is faster in
-  wall time (`apply_gradients` 0.78x of the bare step against 0.82x,
-  `tx.update` 1.14x against 1.51x; 10M bfloat16 AdamW, jaxlib 0.12.0.1,
-  in-process A/B), and only there: on XLA:GPU the ordering made XLA copy
-  the state (`benchmarks/gpu.sh`, H200, jaxlib 0.11.2, 100M bfloat16
-  parameters: `tx.update` 1.61x the bare step ordered, 1.41x not, in one
-  process; `apply_gradients` 1.44x and 1.47x). `apply_gradients` orders
-  them from jaxlib 0.9.1 only (`orders_fused_writes`)."""
-  return jax.default_backend() == "cpu" and _speed.on("order")
+def _orderable(traced: Any, inner_state: Any) -> bool:
+  """Whether the step has bfloat16 (or float16) state to order, and may be
+  called twice: no effects, nothing handed out (a callback would run
+  twice)."""
+  narrow = lambda x: is_inexact(x) and jnp.finfo(x.dtype).bits < 32
+  if not any(narrow(x) for x in jax.tree.leaves(inner_state)):
+    return False
+  _, hands_out = _jax_internals.inspect(traced.closed)
+  return not hands_out
 
 
-def orders_fused_writes() -> bool:
-  """Whether `apply_gradients` writes bfloat16 state after the new
-  parameters (where the wrapper found `order_narrow_writes` true)."""
-  return ORDER_FUSED_WRITES and _speed.on("order")
+def staged(applied, traced, operands, skip, run, choose):
+  """The wrapper's step for state stored narrower than it is computed: on
+  the CPU the updates in one conditional and the state in a second, after
+  the updates are out (`read_after`), in place; elsewhere one
+  conditional."""
+  inner_state = operands[3]
+  one = lambda: choose(applied, lambda: run(traced, operands), skip, operands)
+  if not _orderable(traced, inner_state):
+    return one()
+
+  def ordered() -> Any:
+    new_updates = choose(
+      applied, lambda: run(traced, operands)[0], lambda: skip()[0], operands
+    )
+    # Read after the updates inside the branch: outside it, the old state
+    # would be an operand of the conditional twice, and copied.
+    later = lambda: (
+      *operands[:3],
+      read_after(inner_state, new_updates)[0],
+      *operands[4:],
+    )
+    new_state = choose(
+      applied,
+      lambda: run(traced, later())[1],
+      lambda: inner_state,
+      (*operands, new_updates),
+    )
+    return new_updates, new_state
+
+  return jax.lax.platform_dependent(cpu=ordered, default=one)
 
 
-def staged_in_order(finite, apply, skip, inner_state, operands):
-  """The wrapper's staged step for state stored narrower than it is
-  computed (bfloat16 moments): the updates in one conditional, the state
-  in a second, after the updates are out (`read_after`), in place. In one
-  conditional XLA copies the state first. Evidence: in-process A/B,
-  XLA:CPU, jaxlib 0.12.0.1, 10M bfloat16 AdamW: tx.update + apply_updates
-  1.14x of bare in two conditionals, 1.51x in one. The inner optimizer's
-  second call reuses its trace (`_speed.once`), and XLA keeps of each call
-  only what its conditional returns."""
-  new_updates = _axes.cond(
-    finite, lambda: apply()[0], lambda: skip()[0], operands=operands
+def fused_state(traced, update, opt_state, new_params, new_state):
+  """`apply_gradients`' new state, on the CPU written after the new
+  parameters (`update(read_after(opt_state, new_params))`, a second call of
+  the chain whose updates XLA drops), elsewhere `new_state` as it is."""
+  if not ORDER_FUSED_WRITES or not _orderable(traced, opt_state):
+    return new_state
+  old, ordered = read_after(opt_state, new_params)
+  if not ordered:
+    return new_state
+  return jax.lax.platform_dependent(
+    cpu=lambda: update(old)[1], default=lambda: new_state
   )
-  new_state = _axes.cond(
-    finite,
-    lambda: apply(read_after(inner_state, new_updates)[0])[1],
-    lambda: inner_state,
-    operands=(*operands, new_updates),
-  )
-  return new_updates, new_state
 
 
 def read_after(old: Any, after: Any) -> tuple[Any, bool]:

@@ -1,14 +1,12 @@
 """One `lax.cond` over a whole optimizer step, compiled as several small ones.
 
 XLA's `copy-insertion` and `layout-assignment` passes take time that grows
-faster than linearly with the number of values a conditional carries: a
-`lax.cond` around a bare AdamW step of 2000 leaves compiles in 1.5-1.7x the
-bare step's time, and the same step behind one conditional per 33-leaf
-group in about the bare step's time (docs/performance.md, "How cost
-grows"). A step is mostly independent per leaf, so `cond` splits it:
+faster than linearly with the number of values a conditional carries, while
+a step is mostly independent per leaf (docs/performance.md, "How cost
+grows", and the speed-layer table, rows `split`), so `cond` splits it:
 
-1. Both branches are traced once, to jaxprs (the wrapper's own `jax.jit`
-   of the inner step, `lossscale/_speed/once.py`, is inlined).
+1. Both branches are traced once, to jaxprs (calls in them with several
+   outputs or much work are inlined).
 2. Scalars computed from the operands by cheap elementwise work and
    reductions, and drawn from or used by several groups of outputs (a step
    count, a learning-rate schedule, a global gradient norm), are
@@ -25,8 +23,7 @@ grows"). A step is mostly independent per leaf, so `cond` splits it:
 
 4. Each conditional is built from the traced equations (re-pointed at
    fresh variables) and bound as one `cond` primitive, not traced again
-   by `lax.cond`: at 2000 leaves that took the fused step's trace from
-   7.9 s to 5.1 s (the bare step's: 2.0 s).
+   by `lax.cond` (trace time, at thousands of leaves).
 
 The result is the single `lax.cond`'s, output for output: each conditional
 takes the same predicate and runs the same operations on the same values.
@@ -48,10 +45,8 @@ import jax
 from lossscale import _jax_internals
 
 # Outputs per conditional: small enough that XLA's passes stay linear,
-# large enough that a step of a few leaves is one conditional, as before.
-# For compile time; it costs no step time (in-process A/B, XLA:CPU, jaxlib
-# 0.12.0.1, 25M float32 AdamW, 148 leaves: apply_gradients 1.16x of bare at
-# 96 outputs, 1.20x as one conditional, 1.19x at 32).
+# large enough that a step of a few leaves is one conditional; it costs no
+# step time (docs/performance.md, the speed-layer table, rows `split`).
 _OUTPUTS = 96
 
 # Primitives cheap enough to recompute: elementwise arithmetic, reductions
@@ -437,28 +432,18 @@ def cond(
   true_fn: Callable[[], Any],
   false_fn: Callable[[], Any],
   one_cond: Callable[[Any, Callable[[], Any], Callable[[], Any]], Any] | None = None,
-  if_handed_out: Callable[[], Callable[[], Any]] | None = None,
-  vet: Callable[[Any], None] | None = None,
 ) -> Any:
   """`one_cond(pred, true_fn, false_fn)`, as several conditionals when the
   branches have many outputs (see the module docstring).
 
-  `one_cond` is a variant of `jax.lax.cond` with the same signature, called
-  once per conditional; None is `jax.lax.cond`, whose conditionals are then
+  `one_cond` is a variant of `jax.lax.cond` with its signature, called once
+  per conditional; None is `jax.lax.cond`, whose conditionals are then
   built from the traced equations directly rather than traced again. The
-  branches take no arguments (they close over their operands). When
-  `true_fn` hands values out of the computation (`_jax_internals.hands_out`), the
-  true branch is `if_handed_out()` instead, where that is given. `vet` is
-  called with the true branch's trace before anything is built.
+  branches take no arguments (they close over their operands).
   """
   build = one_cond is None
-  traced_cond = one_cond or jax.lax.cond
+  one_cond = one_cond or jax.lax.cond
   true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
-  if if_handed_out is not None and _jax_internals.hands_out(true_closed):
-    true_fn = if_handed_out()
-    true_closed, out_shape = jax.make_jaxpr(true_fn, return_shape=True)()
-  if vet is not None:
-    vet(true_closed)
   false_closed = jax.make_jaxpr(false_fn)()
   leaves, tree = jax.tree_util.tree_flatten(out_shape)
   if (
@@ -472,11 +457,9 @@ def cond(
   ):
     # One conditional, on the jaxprs just traced (no second Python trace);
     # calls, the inner optimizer's among them, stay calls.
-    def whole(closed: Any) -> Callable[[], Any]:
-      return lambda: _jax_internals.jaxpr_as_fun(closed)()
-
+    whole = lambda closed: lambda: _jax_internals.jaxpr_as_fun(closed)()
     return jax.tree_util.tree_unflatten(
-      tree, traced_cond(pred, whole(true_closed), whole(false_closed))
+      tree, one_cond(pred, whole(true_closed), whole(false_closed))
     )
 
   t, f = _Graph(true_closed), _Graph(false_closed)
@@ -505,7 +488,7 @@ def cond(
         pred, (t, t_nodes, t_outs, env), (f, f_nodes, f_outs, {}), debug_info
       )
     if results is None:
-      results = traced_cond(
+      results = one_cond(
         pred,
         functools.partial(run, t, t_nodes, t_outs, env),
         functools.partial(run, f, f_nodes, f_outs, {}),

@@ -18,6 +18,7 @@ from lossscale._scaled_grad import (
   find_state,
   get_loss_scale,
 )
+from lossscale._wrapper import choose
 
 
 class TrainState(train_state.TrainState):
@@ -33,7 +34,7 @@ class TrainState(train_state.TrainState):
   `batch_stats`) keep their old values. `step` is an int32 that counts
   applied updates only, like TensorFlow's `global_step`; whether a step was
   applied is the wrapper's
-  [`LossScaleState.last_finite`][lossscale.LossScaleState]. Flax's float8
+  [`LossScaleState.last_applied`][lossscale.LossScaleState]. Flax's float8
   `OVERWRITE_WITH_GRADIENT` gradients go through Flax's own step. It works
   under `jax.jit`, `jax.pmap` and `jax.vmap`. `loss_scale` and
   `skipped_steps` are properties, not fields, so the state holds exactly one
@@ -54,12 +55,18 @@ class TrainState(train_state.TrainState):
     (Array(0, dtype=int32), Array(4., dtype=float32), Array(1, dtype=int32))
   """
 
-  def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+  def apply_gradients(
+    self, *, grads: Any, value: Any = None, **kwargs: Any
+  ) -> TrainState:
     """Applies `grads` (of the scaled loss), or skips the step entirely.
 
     Args:
       grads: gradients with the structure of `params`, of the loss multiplied
         by `self.loss_scale` (see [`lossscale.value_and_grad`][]).
+      value: the unscaled loss, optional, handed to the optimizer as optax's
+        `value=`: a non-finite loss skips the step without backing the scale
+        off, and [`lossscale.SkipSpikes`][] tests it ([Skipping bad
+        steps][skipping-bad-steps]).
       **kwargs: other fields to replace, such as `batch_stats`; on a skipped
         step they keep their old values.
 
@@ -75,16 +82,26 @@ class TrainState(train_state.TrainState):
         does not run on every step.
     """
     find_state(self.opt_state)  # Fails early with a clear message.
-    check_consulted(self.opt_state)  # `last_finite`, read below, is current.
+    check_consulted(self.opt_state)  # `last_applied`, read below, is current.
     fp8 = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
+    extra = {} if value is None else {"value": value}
+    if fp8 and extra:
+      raise ValueError(
+        "`TrainState.apply_gradients(value=...)` with Flax's float8 gradients"
+        " (`_overwrite_with_gradient`): Flax's float8 step hands the optimizer"
+        " no extra arguments. Drop `value=`, or keep the float8 state out of"
+        " the gradients."
+      )
     if fp8:  # Flax's float8 path: Flax's own step, params selected below
       new = super().apply_gradients(grads=grads, **kwargs)
     else:
       # The fused step: the whole update behind one `lax.cond`, so a skipped
       # step runs no optimizer and the params come back untouched.
-      params, opt_state = apply_gradients(self.tx, grads, self.opt_state, self.params)
+      params, opt_state = apply_gradients(
+        self.tx, grads, self.opt_state, self.params, **extra
+      )
       new = self.replace(params=params, opt_state=opt_state, **kwargs)
-    applied = find_state(new.opt_state).last_finite
+    applied = find_state(new.opt_state).last_applied
 
     def keep_old_on_skip(name: str, old: Any, value: Any) -> Any:
       # `Any`: jaxlib 0.10 ships no stubs for PyTreeDef, which mypy cannot compare.
@@ -97,7 +114,7 @@ class TrainState(train_state.TrainState):
           f" old value), got {new_def} instead of {old_def}."
         )
 
-      def select(path: Any, v: Any, o: Any) -> Any:
+      def check(path: Any, v: Any, o: Any) -> None:
         v, o = jnp.asarray(v), jnp.asarray(o)
         if v.shape != o.shape or v.dtype != o.dtype:
           raise ValueError(
@@ -106,9 +123,10 @@ class TrainState(train_state.TrainState):
             f" keeps the old value): at {jax.tree_util.keystr(path)} got"
             f" {v.dtype}{list(v.shape)} instead of {o.dtype}{list(o.shape)}."
           )
-        return jax.lax.select(jnp.broadcast_to(applied, v.shape), v, o)
 
-      return jax.tree_util.tree_map_with_path(select, value, old)
+      jax.tree_util.tree_map_with_path(check, value, old)
+      value, old = jax.tree.map(jnp.asarray, (value, old))
+      return choose(applied, lambda: value, lambda: old, operands=(value, old))
 
     fields = {f.name: f for f in dataclasses.fields(self)}
     kept = {}

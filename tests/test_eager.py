@@ -1,4 +1,5 @@
-"""Tests of tracing once and of eager steps compiled once (lossscale/_speed/once.py)."""
+"""Eager steps: compiled once, the inner optimizer run op by op, Python state it
+reads read on every step; and every traced step traces it anew."""
 
 import jax
 import jax.numpy as jnp
