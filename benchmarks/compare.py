@@ -3,7 +3,7 @@
 Usage:
   python benchmarks/compare.py --base c193e02 [--repeats 3] [--rounds 15]
       [--cases float32:25e6,bfloat16:10e6] [--json PATH]
-  python benchmarks/compare.py --plain '1;split;once;finite;order' [...]
+  python benchmarks/compare.py --plain '1;split;finite;order' [...]
   make bench-compare BASE=c193e02
 
 With `--plain` (alone or beside `--base`), the bases include the working

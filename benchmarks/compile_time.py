@@ -65,8 +65,7 @@ def _variants(adam):
     updates, state = adam.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  # One wrapper per variant: a wrapper keeps its inner optimizer's trace
-  # (lossscale/_speed/once.py), which a second variant would reuse.
+  # One wrapper per variant, so that no variant reuses another's traces.
   tx = ls.dynamic_loss_scale(adam, initial_scale=SCALE)
   tx_fused = ls.dynamic_loss_scale(adam, initial_scale=SCALE)
 
