@@ -660,7 +660,30 @@ def compare(data: dict, source: str) -> list[str]:
   return [_source_line(data, source, what), "", *_table(headers, rows, align="ll")]
 
 
+def spikes(data: dict, source: str) -> list[str]:
+  """`spikes.py`: `apply_gradients` with the loss given and `SkipSpikes` on,
+  each step's median ratio to its process's bare AdamW step."""
+  rows = _records(data, "rows")
+  first = _field(rows[0], "median")
+  table = [
+    [
+      _field(r, "step"),
+      f"{_x(_field(r, 'median'))} ({_field(r, 'min'):.2f}-{_field(r, 'max'):.2f})",
+      f"{_field(r, 'median') / first:.3f}",
+    ]
+    for r in rows
+  ]
+  what = (
+    f"float32, {_field(data, 'params') / 1e6:g}M params, AdamW: time / bare step,"
+    f" median over {len(_records(data, 'runs'))} processes"
+    f" ({_field(data, 'rounds')} rounds each, interleaved)"
+  )
+  headers = ["step", "time / bare step", f"/ {_field(rows[0], 'step')}"]
+  return [_source_line(data, source, what), "", *_table(headers, table, align="l")]
+
+
 RENDERERS: dict[str, Callable[[dict, str], list[str]]] = {
+  "spikes": spikes,
   "optimizer_step": optimizer_step,
   "finite_check": finite_check,
   "compare": compare,

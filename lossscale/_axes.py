@@ -11,12 +11,18 @@ they train on with other scales (a silent drift). So the wrapper agrees over
 every axis the inner optimizer communicates over (`communicated_axes` of its
 trace), `apply_gradients` over every axis the rest of the applied step
 communicates over, and `cross_shard_mean` refuses, at trace time, updates a
-wrapper decided on per replica (`mark_per_replica`). docs/data-parallel.md
-has the table of placements.
+wrapper decided on per replica (`mark_per_replica`). The loss a wrapper is
+given (`value=`) is per replica even where the gradients were all-reduced
+before it: the wrapper averages it over those axes (`loss_axes`, which
+reads what `cross_shard_mean` recorded with `mark_reduced`, and, where JAX
+types what varies, the loss's type). Both records are weak, keyed by the
+traced updates, and live as long as the trace that made them.
+docs/data-parallel.md has the table of placements.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, TypeVar
@@ -97,14 +103,16 @@ def agree(fn: str, axes: tuple, overflowed: Any, loss: Any, norm: Any) -> tuple:
   overflowed = bound_collective(fn, names, lambda: jax.lax.pmax(flag, names) > 0)
   values = [x for x in (loss, norm) if x is not None]
   if values:
-    values = bound_collective(
-      fn,
-      names,
-      lambda: jax.lax.pmean([jnp.asarray(v, jnp.float32) for v in values], names),
-    )
-    it = iter(values)
+    it = iter(mean(fn, axes, values))
     loss, norm = (None if x is None else next(it) for x in (loss, norm))
   return overflowed, loss, norm
+
+
+def mean(fn: str, axes: tuple, values: list) -> list:
+  """The replicas' mean of each scalar of `values`, in float32 (one collective)."""
+  names = axes[0] if len(axes) == 1 else axes
+  values = [jnp.asarray(v, jnp.float32) for v in values]
+  return bound_collective(fn, names, lambda: jax.lax.pmean(values, names))
 
 
 def conditional(operands: Any) -> Callable[..., Any]:
@@ -137,20 +145,52 @@ def varying_cond(pred: Any, true_fn: Callable[[], T], false_fn: Callable[[], T])
   return jax.lax.cond(pred, matched(true_fn), matched(false_fn))
 
 
+# Updates `cross_shard_mean` returned, by the identity of their tracers,
+# weakly, with the axes it reduced over: a wrapper chained after it reads
+# them (`loss_axes`), since its gradients are the same on every replica but
+# the loss it is given may not be.
+_reduced: dict[int, tuple[weakref.ref, tuple[Hashable, ...]]] = {}
+
+
+def mark_reduced(updates: Any, axes: tuple[Hashable, ...]) -> None:
+  """Records that `updates` (traced) were all-reduced over `axes`."""
+  _mark(_reduced, updates, axes)
+
+
+def loss_axes(updates: Any, loss: Any, agreed: tuple[Hashable, ...]) -> tuple:
+  """The axes, beyond `agreed`, the loss must be averaged over for every
+  replica to decide alike: those the gradients were all-reduced over (by
+  `cross_shard_mean`, or, where JAX types what varies, those the loss varies
+  over and the gradients do not). A per-replica loss there would let each
+  replica skip on its own, gradients the same everywhere."""
+  leaves = [x for x in jax.tree_util.tree_leaves(updates) if hasattr(x, "dtype")]
+  axes: list[Hashable] = []
+  for x in leaves:
+    entry = _reduced.get(id(x))
+    if entry is not None and entry[0]() is x:
+      axes += entry[1]
+  grads_vary = frozenset().union(*map(_jax_internals.varying_axes, leaves))
+  axes += sorted(_jax_internals.varying_axes(loss) - grads_vary, key=str)
+  return tuple(n for n in dict.fromkeys(axes) if n not in agreed)
+
+
+def _mark(registry: dict, updates: Any, axes: tuple[Hashable, ...]) -> None:
+  for x in jax.tree_util.tree_leaves(updates):
+    if isinstance(x, jax.core.Tracer):
+      key = id(x)
+      forget = lambda _, k=key: registry.pop(k, None)
+      registry[key] = (weakref.ref(x, forget), axes)
+
+
 # Updates a wrapper returned after deciding per replica (no axis reduced
 # over), by the identity of their tracers, weakly: an entry lives as long as
 # the trace that made it. Only `cross_shard_mean` reads it, to refuse them.
 _per_replica: dict[int, tuple[weakref.ref, tuple[Hashable, ...]]] = {}
 
 
-def mark_per_replica(updates: Any, agreed: tuple[Hashable, ...]) -> None:
-  """Records that `updates` (traced) were decided on with the decision
-  reduced over `agreed` only."""
-  for x in jax.tree_util.tree_leaves(updates):
-    if isinstance(x, jax.core.Tracer):
-      key = id(x)
-      forget = lambda _, k=key: _per_replica.pop(k, None)
-      _per_replica[key] = (weakref.ref(x, forget), agreed)
+# `mark_per_replica(updates, agreed)`: records that `updates` (traced) were
+# decided on with the decision reduced over `agreed` only.
+mark_per_replica = functools.partial(_mark, _per_replica)
 
 
 def check_not_per_replica(fn: str, axis_name: Any, updates: Any) -> None:

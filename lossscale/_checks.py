@@ -371,9 +371,10 @@ def _keeps_types(new: Any, old: Any) -> bool:
 
 def loss_value(fn: str, spikes: Any, loss: Any) -> Any:
   """The loss the decision reads, optax's `value=`: a real floating scalar,
-  or a Python number (taken as float32, as `jax.jit` would); with `spikes`
-  testing the loss it must be given."""
-  if isinstance(loss, (float, int)) and not isinstance(loss, bool):
+  or a Python float (taken as float32, as `jax.jit` would; a Python int is
+  refused, as `jax.jit` makes it an int32); with `spikes` testing the loss
+  it must be given."""
+  if isinstance(loss, float):
     loss = jnp.asarray(loss, jnp.float32)
   if loss is not None:
     dtype, shape = getattr(loss, "dtype", None), getattr(loss, "shape", None)
@@ -388,7 +389,9 @@ def loss_value(fn: str, spikes: Any, loss: Any) -> Any:
       f"`{fn}(skip_spikes=...)` tests the loss, and `update` was not given it:"
       " pass the unscaled loss as optax's `value=`"
       " (`tx.update(grads, state, params, value=loss)`,"
-      " `ls.apply_gradients(tx, grads, state, params, value=loss)`), or test"
+      " `ls.apply_gradients(tx, grads, state, params, value=loss)`,"
+      " `TrainState.apply_gradients(grads=grads, value=loss)`,"
+      " `lossscale.flax.nnx_step(..., pass_loss=True)`), or test"
       " the gradient norm only (`SkipSpikes(loss=False)`)."
     )
   return loss

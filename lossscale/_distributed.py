@@ -104,6 +104,7 @@ def cross_shard_mean(
     # One call for all leaves: XLA sees one all-reduce to combine or pipeline.
     reduced = iter(_axes.bound_collective(fn, axis_name, lambda: reduce(picked)))
     leaves = [next(reduced) if is_inexact(x) else x for x in leaves]
+    _axes.mark_reduced(leaves, _axes.as_tuple(axis_name))
     return jax.tree.unflatten(treedef, leaves), state
 
   return optax.GradientTransformation(init_fn, update_fn)

@@ -112,7 +112,10 @@ def dynamic_loss_scale(
     skip_spikes: a [`lossscale.SkipSpikes`][] to also skip a step whose
       loss (given as `value=`) or unscaled gradient norm is a spike, leaving
       the scale alone; None (the default) does not test them and costs
-      nothing. [Skipping bad steps][skipping-bad-steps].
+      nothing. [Skipping bad steps][skipping-bad-steps]. With
+      `enabled=False` nothing is tested (the wrapper is exactly `inner`);
+      to skip spikes without a loss scale, use
+      [`lossscale.skip_nonfinite`][] with it.
     enabled: `False` gives exactly `inner` (no scaling, no skipping) with the
       same state structure and dtypes and a loss scale of 1 (a restored
       state's scale is divided out of its first step, then set to 1); float16

@@ -207,8 +207,24 @@ def _is_earlier_layout(x: Any) -> bool:
   )
 
 
+def _resized(window: SpikeWindow, width: int) -> SpikeWindow:
+  """`window` holding `width` values: its newest ones, oldest first, counted
+  as all it has seen (a window that shrinks or grows warms up again where
+  it holds fewer values than the warm-up asks)."""
+  seen = window.seen[..., None]
+  kept = jnp.minimum(jnp.minimum(seen, window.values.shape[-1]), width)
+  k = jnp.arange(width)
+  slot = jnp.where(k < kept, (seen - kept + k) % window.values.shape[-1], 0)
+  values = jnp.take_along_axis(window.values, slot, axis=-1)
+  return SpikeWindow(jnp.where(k < kept, values, 0.0), kept[..., 0])
+
+
 def _upgraded(old: Any, spikes: SkipSpikes | None) -> Any:
-  if is_state(old) and (spikes is None or isinstance(old.spike_window, SpikeWindow)):
+  window: Any = getattr(old, "spike_window", ())
+  width = window.values.shape[-1] if isinstance(window, SpikeWindow) else None
+  if is_state(old) and spikes is not None and width not in (None, spikes.window):
+    return old._replace(spike_window=_resized(window, spikes.window))
+  if is_state(old) and (spikes is None or isinstance(window, SpikeWindow)):
     return old  # current, and nothing to add
   values = old._asdict()
   if "last_finite" in values and "last_applied" not in values:
@@ -259,7 +275,9 @@ def upgrade_state(tree: Any, *, skip_spikes: SkipSpikes | None = None) -> Any:
     skip_spikes: the [`lossscale.SkipSpikes`][] of the wrapper the state is
       to step with: every state in `tree` without a spike window (an earlier
       layout, or one from a wrapper without the option) gets an empty one,
-      so the option can be switched on for a restored run.
+      so the option can be switched on for a restored run; a window of
+      another width is resized to `skip_spikes.window`, keeping its newest
+      values (and counting only those as seen, for the warm-up).
 
   Returns:
     `tree` with each of those replaced by a `LossScaleState`.

@@ -67,8 +67,13 @@ class LossScaleState(NamedTuple):
     inner_state: the wrapped optimizer's state, untouched on skipped steps.
 
   Every wrapper's state has all these fields, whatever its configuration, so
-  one checkpoint restores into any of them. A state saved with fewer fields
-  (an earlier version) converts with [`lossscale.upgrade_state`][].
+  one checkpoint restores into any of them, but for the spike window: a
+  state without one (or with another width) steps with `SkipSpikes` once
+  [`lossscale.upgrade_state`][] has given it one, and a wrapper without the
+  option carries a state's window along untouched (to restore into its
+  `init`'s structure, drop it: `state._replace(spike_window=())`). A state
+  saved with fewer fields (an earlier version) converts with
+  [`lossscale.upgrade_state`][].
   """
 
   loss_scale: jax.Array
@@ -274,20 +279,18 @@ def next_counters(
     last_finite=jnp.logical_not(overflowed),
     last_applied=applied,
     last_skip_reason=jnp.where(applied, zero, first + 1),
-    skips_by_reason=_count(state.skips_by_reason, first, jnp.logical_not(applied)),
+    # One more at `first` where skipped, saturating as `safe_increment`
+    # does; arithmetic, not a select of arrays.
+    skips_by_reason=state.skips_by_reason
+    + (
+      (jnp.arange(len(SKIP_REASONS), dtype=i32) == first)
+      & (state.skips_by_reason < jnp.iinfo(i32).max)
+      & jnp.logical_not(applied)
+    ).astype(i32),
   )
   if rule.dynamic:
     counters.update(_dynamic(rule, state, overflow, applied, good))
   return counters
-
-
-def _count(counts: jax.Array, at: jax.Array, skipped: jax.Array) -> jax.Array:
-  """`counts` with one more at `at` where `skipped`, saturating as
-  `optax.safe_increment` does; arithmetic, not a select of arrays."""
-  i32 = jnp.int32
-  hit = jnp.arange(counts.shape[-1], dtype=i32) == at
-  room = counts < jnp.iinfo(i32).max
-  return counts + (hit & room & skipped).astype(i32)
 
 
 def _dynamic(rule, state, overflow, applied, good) -> dict[str, jax.Array]:
@@ -342,6 +345,7 @@ def _spikes(
   (the previous finite values of each), and the window with them taken in
   (the finite ones: a skipped spike too)."""
   f32, i32 = jnp.float32, jnp.int32
+  _check_window(spikes, window)
   nan = jnp.full([], jnp.nan, f32)
   x = jnp.stack(
     [
@@ -371,6 +375,25 @@ def _spikes(
   values = jnp.where(jnp.logical_and(slot, finite[:, None]), x[:, None], window.values)
   seen = jnp.where(finite, optax.safe_increment(window.seen), window.seen).astype(i32)
   return (spike[0], norm_spike), SpikeWindow(values, seen)
+
+
+def _check_window(spikes: SkipSpikes, window: Any) -> None:
+  """Refuses a state whose spike window `spikes` cannot step with."""
+  if not isinstance(window, SpikeWindow):
+    raise ValueError(
+      f"`skip_spikes={spikes!r}` is on, but the state has no spike window (it"
+      " was built by a wrapper without `skip_spikes`, or by an earlier"
+      " version): convert it with `lossscale.upgrade_state(state,"
+      " skip_spikes=...)`, which adds an empty one."
+    )
+  width = window.values.shape[-1]
+  if width != spikes.window:
+    raise ValueError(
+      f"`skip_spikes={spikes!r}` wants a window of {spikes.window} values, but"
+      f" the state's spike window holds {width}: convert it with"
+      " `lossscale.upgrade_state(state, skip_spikes=...)`, which keeps its"
+      " newest values."
+    )
 
 
 def is_state(x: Any) -> bool:

@@ -46,7 +46,6 @@ from lossscale._rule import (
 from lossscale._unscale import (
   cast_like,
   is_inexact,
-  numbers_as_arrays,
   unscale,
   unscale_factors,
   widen,
@@ -283,7 +282,9 @@ def wrap(
     request = extra_args.pop(DECISION_ARG, None)
     # Python float leaves: arrays, as `jax.jit` would make them, so that a
     # step is unscaled and checked the same eagerly and under `jit`.
-    updates = numbers_as_arrays(updates)
+    updates = jax.tree.map(
+      lambda x: jnp.asarray(x) if isinstance(x, (float, complex)) else x, updates
+    )
     # What the step is taken on: the gradients, the unscale factors (the
     # scale, for `enabled=False`), the decision where the inner optimizer
     # is fed zeros on a skip, its state, the parameters, the extra arguments.
@@ -319,8 +320,13 @@ def _step(fn, rule, own_axes, step, request, state, operands):
   overflow = lambda: jnp.logical_not(finite(updates, factor))
   # The other inputs of the decision: the unscaled loss, as optax's
   # `value=`, and, for the spike test, the unscaled gradient norm.
-  loss = _checks.loss_value(fn, rule.spikes, extra.get("value"))
-  overflowed, norm = _checked(rule, updates, (pre, inv), overflow)
+  loss, norm = extra.get("value"), None
+  if loss is not None or rule.spikes is not None:
+    loss = _checks.loss_value(fn, rule.spikes, loss)
+  if rule.spikes is not None and rule.spikes.grad_norm:
+    overflowed, norm = _checked(updates, (pre, inv), overflow)
+  else:
+    overflowed = overflow()
   if not isinstance(overflowed, jax.core.Tracer):  # eager: decided in Python
     return _eager(rule, step, state, operands, overflowed, loss, norm)
   # Zeros for a skipped member's gradients where both branches run and
@@ -346,6 +352,10 @@ def _step(fn, rule, own_axes, step, request, state, operands):
   axes = tuple(dict.fromkeys((*own_axes, *axes_inside, *asked)))
   if axes:
     overflowed, loss, norm = _axes.agree(fn, axes, overflowed, loss, norm)
+  if loss is not None and (more := _axes.loss_axes(updates, loss, axes)):
+    # Gradients the same on every replica, the loss not: its mean decides.
+    (loss,) = _axes.mean(fn, more, [loss])
+    axes += more
   counters = next_counters(rule, state, overflowed, loss, norm)
   applied = counters["last_applied"]
   zeros = lambda: jax.tree.map(
@@ -369,9 +379,9 @@ def _step(fn, rule, own_axes, step, request, state, operands):
   return new_updates, LossScaleState(**counters, inner_state=inner_state)
 
 
-def _checked(rule, updates, factors, overflow):
+def _checked(updates, factors, overflow):
   """Whether the gradients overflowed (`overflow()`, the finite check), and
-  their unscaled norm where the rule tests it (else None).
+  their unscaled norm.
 
   With the norm, one pass over the gradients gives both: the sum of their
   squares, as they come (a reduction with no scalar operand), is finite
@@ -379,8 +389,6 @@ def _checked(rule, updates, factors, overflow):
   not finite, the finite check tells an overflow from squares beyond
   float32, and the norm is computed from the unscaled gradients.
   """
-  if rule.spikes is None or not rule.spikes.grad_norm:
-    return overflow(), None
   fast = "finite" in TRICKS
   sum_of_squares = _speed.finite.sum_of_squares if fast else _unscale.sum_of_squares
   total = sum_of_squares(updates)

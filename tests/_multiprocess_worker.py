@@ -217,6 +217,54 @@ def set_scale_and_save(mesh: jax.sharding.Mesh, directory: str) -> dict:
   }
 
 
+SPIKE_STEP, NAN_STEP = 6, 3  # process BAD_PROCESS's loss: a spike, then a NaN
+
+
+def skip_reasons(mesh: jax.sharding.Mesh, bad_positions: list[int]) -> dict:
+  """The recommended chain given each device's own loss (`value=`), with
+  spike skipping: one process's rows turn the loss NaN at NAN_STEP and make
+  it spike at SPIKE_STEP. Returns per-step reasons, scales and windows."""
+  n = mesh.devices.size
+  spikes = ls.SkipSpikes(window=4, warmup=3, sigmas=3.0, grad_norm=False)
+  tx = optax.chain(
+    ls.cross_shard_mean("batch"),
+    ls.dynamic_loss_scale(optax.sgd(0.01), initial_scale=2.0**8, skip_spikes=spikes),
+  )
+
+  @jax.jit
+  @_compat.shard_map(
+    mesh=mesh, in_specs=(P(), P(), P("batch"), P("batch")), out_specs=P()
+  )
+  def step(params, opt_state, x, y):
+    params_v = _compat.pcast_varying(params, "batch")
+    loss, grads = ls.value_and_grad(_loss)(opt_state, params_v, x, y)
+    with jax.numpy_dtype_promotion("standard"):
+      updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+    return optax.apply_updates(params, updates), opt_state
+
+  sharding = NamedSharding(mesh, P("batch"))
+  replicated = NamedSharding(mesh, P())
+  params = jax.device_put(
+    {"w": jnp.zeros((FEATURES, OUTPUTS)), "b": jnp.zeros(3)}, replicated
+  )
+  opt_state = jax.device_put(tx.init(params), replicated)
+  reasons, scales, windows = [], [], []
+  for t in range(8):
+    x, y = _global_batch(100 + t, n)
+    for pos in bad_positions:
+      rows = slice(pos * ROWS, (pos + 1) * ROWS)
+      y[rows] *= 30.0 if t == SPIKE_STEP else 1.0
+      y[rows] = np.nan if t == NAN_STEP else y[rows]
+    make = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda i: a[i])
+    params, opt_state = step(params, opt_state, make(x), make(y))
+    state = opt_state[1]
+    local = lambda a: np.asarray(a.addressable_data(0))
+    reasons.append(int(local(state.last_skip_reason)))
+    scales.append(float(local(state.loss_scale)))
+    windows.append(local(state.spike_window.values).tobytes().hex())
+  return {"reasons": reasons, "reason_scales": scales, "windows": windows}
+
+
 # Placements of `cross_shard_mean` (tests/_placements.py) across the two
 # processes: the inf is in the last device's gradients, process 1's.
 PLACEMENTS = ("inside", "after", "hand-written pmean, after")
@@ -253,6 +301,7 @@ def main(coordinator: str, process_id: int, out_path: str, ckpt_dir: str) -> Non
     bad = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == BAD_PROCESS]
     result = train(mesh, bad)
     result.update(set_scale_and_save(mesh, ckpt_dir))
+    result.update(skip_reasons(mesh, bad))
     result["placements"] = placements()
     result.update(
       process_index=jax.process_index(),

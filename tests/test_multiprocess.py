@@ -117,6 +117,23 @@ def test_two_processes_skip_together(two_processes):
       np.testing.assert_allclose(per_device[pos][name], value, rtol=1e-6, atol=1e-7)
 
 
+def test_two_processes_skip_a_bad_loss_and_a_spike_together(two_processes):
+  # Each device hands the wrapper its own loss; one process's is NaN at one
+  # step and spikes at another. Both processes skip both steps, for those
+  # reasons, with the scale unmoved and bit-identical windows; as one
+  # process on 4 devices does.
+  worker = _load_worker()
+  first, second = two_processes
+  for key in ("reasons", "reason_scales", "windows"):
+    assert first[key] == second[key], key
+  want = [0] * 8
+  want[worker.NAN_STEP], want[worker.SPIKE_STEP] = 2, 3  # SKIP_REASONS order + 1
+  assert first["reasons"] == want
+  assert first["reason_scales"] == [2.0**8] * 8
+  ref = worker.skip_reasons(make_mesh((4,), ("batch",)), first["bad_positions"])
+  assert first["reasons"] == ref["reasons"]
+
+
 def test_set_loss_scale_keeps_a_global_state_global(two_processes):
   # After a jitted step the scale is one array over both processes' devices;
   # `set_loss_scale` keeps it so (a host-local array in its place is what

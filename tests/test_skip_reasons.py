@@ -148,6 +148,11 @@ def test_a_python_number_is_a_loss():
     _, state = tx.update(_scaled(GOOD, state), state, PARAMS, value=float("nan"))
   assert ls.SKIP_REASONS[int(state.last_skip_reason) - 1] == "nonfinite_loss"
   assert float(state.loss_scale) == 8.0
+  # A Python int is refused eagerly as `jax.jit` refuses it (an int32 there).
+  grads = _scaled(GOOD, state)
+  for call in (tx.update, jax.jit(tx.update)):
+    with pytest.raises(ValueError, match=r"value=.*real floating scalar.*int"):
+      call(grads, state, PARAMS, value=2)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -232,17 +237,25 @@ def test_a_vmapped_ensemble_decides_per_member():
   assert not np.array_equal(params["w"][0], PARAMS["w"])
 
 
+@pytest.mark.parametrize("placement", ["axis_name", "cross_shard_mean before"])
 @pytest.mark.parametrize("kind", ["update", "apply_gradients"])
 @pytest.mark.parametrize("mapper", ["pmap", "shard_map"])
-def test_replicas_decide_on_their_mean_loss(mapper, kind):
+def test_replicas_decide_on_their_mean_loss(mapper, kind, placement):
   # One replica's loss is NaN (its gradients are fine): every replica skips,
   # the scale unmoved, and with spike skipping the windows hold the same
-  # mean loss everywhere.
+  # mean loss everywhere. Gradients averaged before the wrapper are the same
+  # everywhere, the losses it is given are not: the wrapper averages them.
   n = 4
   spikes = ls.SkipSpikes(window=4, sigmas=3.0, grad_norm=False, warmup=3)
-  tx = ls.dynamic_loss_scale(
-    optax.sgd(0.1), initial_scale=8.0, axis_name="i", skip_spikes=spikes
-  )
+  if placement == "axis_name":
+    tx = ls.dynamic_loss_scale(
+      optax.sgd(0.1), initial_scale=8.0, axis_name="i", skip_spikes=spikes
+    )
+  else:
+    tx = optax.chain(
+      ls.cross_shard_mean("i"),
+      ls.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0, skip_spikes=spikes),
+    )
   step = _steps(kind, tx)
   losses = np.array([[1.0, 2.0, 3.0, 4.0], [1.0, NAN, 1.0, 1.0], [3.0, 3.0, 3.0, 3.0]])
   grads = stack(_scaled(GOOD, tx.init(PARAMS)), n)
@@ -262,12 +275,16 @@ def test_replicas_decide_on_their_mean_loss(mapper, kind):
   with standard_promotion():
     for row in losses:
       params, state = mapped(grads, state, params, jnp.asarray(row, jnp.float32))
-      reasons.append(np.asarray(state.last_skip_reason).tolist())
+      reasons.append(np.asarray(ls.step_metrics(state)["skip_reason"]).tolist())
   assert reasons == [[0] * n, [2] * n, [0] * n]
+  if placement != "axis_name":
+    state = state[1]
   window = np.asarray(state.spike_window.values)
   np.testing.assert_array_equal(window, np.broadcast_to(window[:1], window.shape))
   np.testing.assert_allclose(window[0, 0, :2], [2.5, 3.0])  # the means, NaN left out
   np.testing.assert_array_equal(np.asarray(state.loss_scale), [8.0] * n)
+  for leaf in jax.tree.leaves(params):
+    np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape))
 
 
 def test_train_state_and_the_nnx_step_take_the_loss():
@@ -357,3 +374,47 @@ def test_upgrade_state_adds_the_new_fields_and_a_window():
   with standard_promotion():
     _, stepped = spiky.update(GOOD, windowed, PARAMS, value=jnp.float32(1.0))
   assert ls.upgrade_state(stepped, skip_spikes=spikes) is stepped
+
+
+def _filled(width, losses):
+  """A state of a `SkipSpikes(window=width)` wrapper that took `losses`."""
+  tx = ls.skip_nonfinite(
+    optax.sgd(0.1), skip_spikes=ls.SkipSpikes(window=width, sigmas=1e9, warmup=2)
+  )
+  state = tx.init(PARAMS)
+  for loss in losses:
+    _, state = tx.update(GOOD, state, PARAMS, value=jnp.float32(loss))
+  return tx, state
+
+
+@pytest.mark.parametrize("width", [4, 16])
+def test_a_resized_window_keeps_its_newest_values(width):
+  # A window of 8 that took 1..10 resized to `width`: the same window as one
+  # of `width` that took only the values kept (the newest, oldest first),
+  # so the next step decides and records alike.
+  _, state = _filled(8, range(1, 11))
+  assert ls.upgrade_state(state, skip_spikes=ls.SkipSpikes(window=8)) is state
+  resized = ls.upgrade_state(state, skip_spikes=ls.SkipSpikes(window=width))
+  kept = list(range(max(3, 11 - width), 11))
+  tx, want = _filled(width, kept)
+  assert_trees_equal(resized.spike_window, want.spike_window)
+  assert resized.spike_window.values.shape == (2, width)
+  _, after = tx.update(GOOD, resized, PARAMS, value=jnp.float32(11.0))
+  _, want = tx.update(GOOD, want, PARAMS, value=jnp.float32(11.0))
+  assert_trees_equal(after.spike_window, want.spike_window)
+  assert int(after.last_skip_reason) == int(want.last_skip_reason)
+
+
+def test_a_state_without_the_window_it_needs_is_named():
+  spikes = ls.SkipSpikes(window=4)
+  tx = ls.dynamic_loss_scale(optax.sgd(0.1), skip_spikes=spikes)
+  plain = ls.dynamic_loss_scale(optax.sgd(0.1)).init(PARAMS)
+  grads = _scaled(GOOD, plain)
+  with pytest.raises(ValueError, match=r"no spike window.*upgrade_state"):
+    tx.update(grads, plain, PARAMS, value=1.0)
+  _, other = _filled(8, [1.0])
+  with pytest.raises(ValueError, match=r"window of 4 values.*holds 8.*upgrade_state"):
+    jax.jit(lambda s: tx.update(grads, s, PARAMS, value=1.0))(other)
+  upgraded = ls.upgrade_state(plain, skip_spikes=spikes)
+  _, state = tx.update(grads, upgraded, PARAMS, value=1.0)
+  assert int(state.spike_window.seen[0]) == 1

@@ -164,7 +164,18 @@ def test_step_metrics_follow_the_rule(fused):
   for finite, (scale, _, _, skipped, consecutive) in zip(flags, want, strict=True):
     grads = {"w": jnp.array([1.0, 1.0 if finite else jnp.inf])}
     params, state, m = step(grads, state, params)
-    assert set(m) == {"loss_scale", "applied", "skipped_steps", "consecutive_skips"}
+    assert set(m) == {
+      "loss_scale",
+      "applied",
+      "skipped_steps",
+      "consecutive_skips",
+      "skip_reason",
+      *(f"skipped_{r}" for r in ls.SKIP_REASONS),
+    }
+    # Only overflows here: every skip is one, and no other reason counts.
+    assert int(m["skip_reason"]) == (0 if finite else 1)
+    assert int(m["skipped_overflow"]) == skipped
+    assert sum(int(m[f"skipped_{r}"]) for r in ls.SKIP_REASONS[1:]) == 0
     assert m["loss_scale"].dtype == jnp.float32 and float(m["loss_scale"]) == scale
     assert bool(m["applied"]) is finite
     assert (int(m["skipped_steps"]), int(m["consecutive_skips"])) == (

@@ -91,8 +91,9 @@ def nnx_step(
     `step(optimizer, model, *args, **kwargs) -> loss` (or `(loss, aux)`),
     which updates `model` and `optimizer` in place; with `with_metrics`,
     `-> (loss, metrics)` (or `((loss, aux), metrics)`), `metrics` a dict of
-    scalar arrays: `"loss_scale"`, `"applied"`, `"skipped_steps"`,
-    `"consecutive_skips"` and `"grad_norm"`. `optimizer` is an
+    scalar arrays: those of [`lossscale.step_metrics`][] (the scale,
+    whether the step was applied, the skips so far, in a row and by
+    reason, and why this one was skipped) and `"grad_norm"`. `optimizer` is an
     `nnx.Optimizer` built with `wrt=nnx.Param` and a `tx` holding exactly
     one loss-scaling wrapper (alone or anywhere in an `optax.chain`); on
     Flax 0.10, whose `nnx.Optimizer` holds its model, `model` must be
